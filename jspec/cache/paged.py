@@ -1,0 +1,90 @@
+"""The paged KV cache pytree.
+
+Per layer, K and V live in pages shaped ``[kv_heads, num_pages, page_size, head_dim]``; a
+sequence owns the pages listed in its row of ``block_tables``, in order, so token position
+``p`` of sequence ``b`` lives in page ``block_tables[b, p // page_size]`` at slot
+``p % page_size``. ``lengths[b]`` counts the tokens whose K/V are valid. Rejected draft tokens
+are rolled back by lowering ``lengths``; their stale K/V is overwritten later.
+
+The cache is immutable: writes return a new cache (XLA updates the buffers in place when the
+cache is donated to the jitted step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k_pages: tuple[jax.Array, ...]  # per layer: [KVH, num_pages, page_size, D]
+    v_pages: tuple[jax.Array, ...]  # per layer: [KVH, num_pages, page_size, D]
+    block_tables: jax.Array  # int32 [B, max_pages_per_seq]
+    lengths: jax.Array  # int32 [B]: tokens with valid K/V
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_pages)
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence can hold: pages per sequence times page size."""
+        return self.block_tables.shape[1] * self.page_size
+
+    def replace(self, **kw) -> "PagedKVCache":
+        return dataclasses.replace(self, **kw)
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in self.k_pages + self.v_pages)
+
+
+def init_cache(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
+    num_pages: int,
+    page_size: int,
+    dtype=jnp.float32,
+    lengths: jax.Array | None = None,  # int32 [B]
+) -> PagedKVCache:
+    """Zeroed pages for ``num_layers`` layers and the given block tables."""
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    if lengths is None:
+        lengths = jnp.zeros((block_tables.shape[0],), jnp.int32)
+    return PagedKVCache(
+        k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        block_tables=block_tables,
+        lengths=jnp.asarray(lengths, jnp.int32),
+    )
+
+
+def write_kv(
+    pages: jax.Array,  # [KVH, P, S, D]
+    new: jax.Array,  # [B, T, KVH, D]
+    block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
+    start: jax.Array,  # int32 [B]: position of row 0
+    q_lens: jax.Array,  # int32 [B]: rows t < q_lens[b] are written, the rest dropped
+) -> jax.Array:
+    """Scatter ``new[b, t]`` to position ``start[b] + t`` of sequence b's pages."""
+    _, num_pages, page_size, _ = pages.shape
+    t = new.shape[1]
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1, mode="clip")
+    page = jnp.where(jnp.arange(t)[None, :] < q_lens[:, None], page, num_pages)  # OOB: dropped
+    vals = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [KVH, B, T, D]
+    return pages.at[:, page, pos % page_size].set(vals, mode="drop")

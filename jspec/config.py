@@ -1,0 +1,185 @@
+"""Frozen, hashable configuration dataclasses.
+
+They are passed to ``jax.jit`` as static arguments, so every field is an immutable scalar or
+tuple, and each validates itself in ``__post_init__`` (raising :class:`ConfigError`).
+
+- :class:`ModelConfig`: the shape of a Llama-family transformer (Llama 2/3, SmolLM2, Qwen2,
+  Mistral without sliding window).
+- :class:`CacheConfig`: paged KV cache geometry.
+- :class:`SamplingParams`: temperature, top-k, top-p, seed, token budget, EOS handling.
+- :class:`SpecConfig`: which drafter and how many speculative tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jspec.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (``rope_type: llama3``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.factor <= 0 or self.low_freq_factor <= 0:
+            raise ConfigError(f"rope_scaling factors must be positive, got {self}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError("rope_scaling high_freq_factor must exceed low_freq_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder-only transformer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rope_freq_factors: Optional[tuple[float, ...]] = None  # GGUF llama3: per-frequency divisors
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    architecture: str = "llama"
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # parameter and activation dtype; softmax and norms run in float32
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ConfigError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+        if not isinstance(self.eos_token_ids, tuple):
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * layer + h + head
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry.
+
+    ``page_size`` tokens share one page; ``prefill_chunk`` bounds how many prompt tokens one
+    prefill forward processes (long prompts are prefilled in chunks).
+    """
+
+    page_size: int = 16
+    prefill_chunk: int = 512
+    shuffle_pages: bool = False  # give sequences a random permutation of pages (tests)
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
+
+    The same logits processing (temperature -> top-k -> top-p) shapes plain sampling and both
+    the target (p) and draft (q) distributions of speculative verification.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logits_key(self) -> "SamplingParams":
+        """The fields that shape logits (seed and budget zeroed) for use as a jit static arg."""
+        return dataclasses.replace(self, seed=0, max_new_tokens=1, ignore_eos=False)
+
+
+SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Which drafter proposes and how many tokens it proposes per verification step."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    ngram_max: int = 4  # n-gram prompt lookup: longest suffix tried first ...
+    ngram_min: int = 1  # ... down to this length
+    layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
+    draft: Optional[str] = None  # draft / eagle: name or path of the draft checkpoint
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "none":
+            return
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "layerskip" and self.layerskip_layers < 1:
+            raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
+        if self.method in ("draft", "eagle") and not self.draft:
+            raise ConfigError(f"spec method {self.method!r} needs a draft checkpoint")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"

@@ -1,0 +1,277 @@
+"""Generation for a batch of prompts: setup, chunked prefill, and the on-device decode loop.
+
+``generate`` is the library's front door. Per call:
+
+1. prompts are tokenized and checked; each sequence gets pages for prompt + budget (+ k + 1
+   slack for verification) from a :class:`PageAllocator`;
+2. prefill writes ``prompt[:-1]`` into the cache in chunks (no logits needed: the last prompt
+   token is the first decode step's input);
+3. the decode loop runs inside ``lax.while_loop`` on the device with the state donated: plain
+   decoding (one token per target forward) or speculative decoding (a drafter proposes k
+   tokens, one target forward verifies them). The first step runs alone to time the first
+   token; the rest runs in one call, or in bursts of ``stream_interval`` steps when the caller
+   streams tokens.
+
+Compilation is done ahead of time (``jit(...).lower(...).compile()``) and reported apart from
+the timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import attention as attention_lib
+from jspec import sampling as sampling_lib
+from jspec.cache import PageAllocator, init_cache
+from jspec.config import CacheConfig, ModelConfig, SamplingParams, SpecConfig
+from jspec.errors import ConfigError, PromptError
+from jspec.models.llama import forward
+from jspec.state import GenState, commit, last_tokens, step_keys
+from jspec.timing import Stopwatch
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # new tokens of each prompt (EOS included when hit)
+    texts: Optional[list[str]]  # decoded new tokens, special tokens skipped (None without tokenizer)
+    prompt_lens: list[int]
+    finish_reasons: list[str]  # "eos" or "length"
+    num_tokens: int  # new tokens over the batch
+    ttft_s: float  # prefill + first decode step
+    total_s: float  # prefill + every decode step (compilation excluded)
+    compile_s: float
+    tokens_per_second: float  # num_tokens / total_s
+    num_target_forwards: int  # decode-loop iterations (each is one target forward)
+    mean_accepted_length: Optional[float]  # new tokens per target forward per sequence (bonus included)
+    acceptance_per_position: Optional[list[float]]  # P(draft j accepted), j = 0..k-1
+    spec_method: str = "none"
+    num_speculative_tokens: int = 0
+
+    def summary(self) -> str:
+        s = (f"{self.num_tokens} tokens in {self.total_s:.2f}s: {self.tokens_per_second:.1f} tokens/s, "
+             f"time to first token {self.ttft_s * 1e3:.0f} ms (compile {self.compile_s:.1f}s)")
+        if self.mean_accepted_length is not None:
+            acc = ", ".join(f"{a:.2f}" for a in self.acceptance_per_position or [])
+            s += (f"; {self.spec_method} k={self.num_speculative_tokens}: mean accepted length "
+                  f"{self.mean_accepted_length:.2f}, acceptance per position [{acc}], "
+                  f"{self.num_target_forwards} target forwards")
+        return s
+
+
+# ----------------------------------------------------------------------------- decode steps
+
+@dataclasses.dataclass(frozen=True)
+class PlainStep:
+    """One token per target forward: the autoregressive baseline (hashable: a jit static arg)."""
+
+    config: ModelConfig
+    sampling: SamplingParams
+    eos_ids: tuple[int, ...]
+    attention: str
+
+    def __call__(self, params, drafter_params, state: GenState) -> GenState:
+        del drafter_params
+        q_lens = jnp.where(state.done, 0, 1).astype(jnp.int32)
+        out = forward(params, self.config, last_tokens(state), state.cache, q_lens,
+                      attention=self.attention)
+        keys = step_keys(state)
+        nxt = jax.vmap(lambda k, l: sampling_lib.sample(k, l, self.sampling))(keys, out.logits[:, 0])
+        state = state.replace(cache=out.cache, steps=state.steps + 1,
+                              active_steps=state.active_steps + jnp.sum(q_lens))
+        return commit(state, nxt[:, None], q_lens, self.eos_ids)
+
+
+def _burst(step: Callable, params, drafter_params, state: GenState, limit) -> GenState:
+    """Run ``step`` on the device until every sequence is done or ``limit`` steps ran."""
+
+    def cond(carry):
+        s, i = carry
+        return (i < limit) & ~jnp.all(s.done)
+
+    def body(carry):
+        s, i = carry
+        return step(params, drafter_params, s), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
+
+
+_burst_jit = jax.jit(_burst, static_argnums=0, donate_argnums=3)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=2)
+def _prefill_chunk(params, tokens, cache, q_lens, *, config, attention):
+    return forward(params, config, tokens, cache, q_lens, attention=attention,
+                   compute_logits=False).cache
+
+
+# ----------------------------------------------------------------------------- setup
+
+def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
+    """Token ids of each prompt (strings need a tokenizer; ``chat`` applies its chat template)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise PromptError("prompt is empty")
+            if tokenizer is None:
+                raise ConfigError("text prompts need a tokenizer; pass token ids instead")
+            if chat:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                    add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise PromptError("prompt is empty (no tokens)")
+        out.append(list(ids))
+    return out
+
+
+def _check_prompts(ids: list[list[int]], config: ModelConfig, max_new: int) -> None:
+    for i, p in enumerate(ids):
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise PromptError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
+        if len(p) + max_new > config.max_position_embeddings:
+            raise PromptError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new} that exceeds the "
+                f"model's context of {config.max_position_embeddings} tokens")
+
+
+def _bucket(n: int, lo: int = 16) -> int:
+    """Round up to a power of two (fewer distinct shapes, fewer compilations)."""
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def prefill(params, config: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, cache,
+            cache_config: CacheConfig, attention: str):
+    """Write ``prompt[:-1]`` of each sequence into ``cache`` in chunks; returns the cache."""
+    todo = prompt_lens - 1
+    longest = int(todo.max())
+    if longest == 0:
+        return cache
+    chunk = min(cache_config.prefill_chunk, _bucket(longest))
+    for start in range(0, longest, chunk):
+        piece = np.zeros((tokens.shape[0], chunk), np.int32)
+        width = min(chunk, tokens.shape[1] - start)
+        piece[:, :width] = tokens[:, start:start + width]
+        q_lens = np.clip(todo - start, 0, chunk).astype(np.int32)
+        cache = _prefill_chunk(params, jnp.asarray(piece), cache, jnp.asarray(q_lens),
+                               config=config, attention=attention)
+    return cache
+
+
+def init_state(config: ModelConfig, prompts: list[list[int]], sampling: SamplingParams,
+               cache_config: CacheConfig, slack: int, num_spec: int,
+               seeds: Optional[Sequence[int]] = None) -> tuple[GenState, np.ndarray]:
+    """The state before prefill, with pages allocated for prompt + budget + ``slack`` tokens."""
+    b = len(prompts)
+    prompt_lens = np.array([len(p) for p in prompts], np.int32)
+    max_lens = prompt_lens + sampling.max_new_tokens
+    width = int(max_lens.max()) + slack + 1
+    tokens = np.zeros((b, width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    need = [int(n) + slack for n in max_lens]
+    ps = cache_config.page_size
+    pages_per_seq = max(-(-n // ps) for n in need)
+    num_pages = sum(-(-n // ps) for n in need)
+    alloc = PageAllocator(num_pages, ps, shuffle_seed=sampling.seed if cache_config.shuffle_pages else None)
+    tables = alloc.block_tables(need, pages_per_seq)
+    cache = init_cache(config.num_layers, config.num_kv_heads, config.head_dim, tables, num_pages, ps,
+                       jnp.dtype(config.dtype))
+    seeds = [sampling.seed + i for i in range(b)] if seeds is None else list(seeds)
+    if len(seeds) != b:
+        raise ConfigError(f"got {len(seeds)} seeds for {b} prompts")
+    state = GenState(
+        tokens=jnp.asarray(tokens), seq_lens=jnp.asarray(prompt_lens), prompt_lens=jnp.asarray(prompt_lens),
+        max_lens=jnp.asarray(max_lens), done=jnp.zeros((b,), bool), eos_hit=jnp.zeros((b,), bool),
+        keys=jnp.stack([jax.random.key(s) for s in seeds]), cache=cache, drafter=None,
+        steps=jnp.int32(0), active_steps=jnp.int32(0), accepted=jnp.zeros((max(num_spec, 1),), jnp.int32))
+    return state, tokens
+
+
+# ----------------------------------------------------------------------------- front door
+
+def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams = SamplingParams(), *,
+             spec: SpecConfig = SpecConfig(), drafter=None, cache_config: CacheConfig = CacheConfig(),
+             attention: str = "auto", chat: bool = False, seeds: Optional[Sequence[int]] = None,
+             on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+             stream_interval: int = 8) -> GenerationResult:
+    """Generate continuations of ``prompts`` with ``model`` (a :class:`LoadedModel`).
+
+    With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
+    lossless: greedy output equals plain greedy output token for token, and sampled output
+    follows the target's distribution. ``on_tokens`` receives, after each burst of
+    ``stream_interval`` steps, the new tokens of every sequence since the last call.
+    """
+    config, params, tokenizer = model.config, model.params, model.tokenizer
+    attention = attention_lib.resolve(attention)
+    ids = encode_prompts(tokenizer, prompts, chat)
+    _check_prompts(ids, config, sampling.max_new_tokens)
+    eos = () if sampling.ignore_eos else tuple(config.eos_token_ids)
+
+    if drafter is None and spec.enabled:
+        from jspec.spec.drafters import make_drafter
+
+        drafter = make_drafter(spec, model)
+    k = drafter.k if drafter is not None else 0
+    state, tokens_np = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
+    if drafter is not None:
+        from jspec.spec.step import SpecStep
+
+        step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
+        drafter_params = drafter.params
+    else:
+        step = PlainStep(config, sampling.logits_key(), eos, attention)
+        drafter_params = None
+
+    prompt_lens = np.asarray([len(p) for p in ids], np.int32)
+    watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
+    cache = prefill(params, config, tokens_np, prompt_lens, state.cache, cache_config, attention)
+    state = state.replace(cache=cache)
+    if drafter is not None:
+        state = state.replace(drafter=drafter.init(params, tokens_np, prompt_lens, state, cache_config))
+    state = _burst_jit(step, params, drafter_params, state, jnp.int32(1))
+    seq_lens = np.asarray(jax.device_get(state.seq_lens))
+    ttft = watch.elapsed()
+    emitted = [0] * len(ids)
+    limit = stream_interval if on_tokens is not None else sampling.max_new_tokens + 1
+    while True:
+        if on_tokens is not None:
+            toks = np.asarray(jax.device_get(state.tokens))
+            new = [toks[i, prompt_lens[i] + emitted[i]:seq_lens[i]].tolist() for i in range(len(ids))]
+            emitted = [e + len(n) for e, n in zip(emitted, new)]
+            on_tokens(new)
+        if bool(jax.device_get(jnp.all(state.done))):
+            break
+        state = _burst_jit(step, params, drafter_params, state, jnp.int32(limit))
+        seq_lens = np.asarray(jax.device_get(state.seq_lens))
+    total, compile_s = watch.elapsed(), watch.compile_s()
+    return _result(state, prompt_lens.tolist(), tokenizer, ttft, total, compile_s, spec if drafter is not None else None, k)
+
+
+def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, spec, k) -> GenerationResult:
+    toks, seq_lens, eos_hit, steps, active, accepted = jax.device_get(
+        (state.tokens, state.seq_lens, state.eos_hit, state.steps, state.active_steps, state.accepted))
+    new = [toks[i, prompt_lens[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
+    n = sum(len(t) for t in new)
+    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in new] if tokenizer is not None else None
+    mean_acc = acc_pos = None
+    if spec is not None and active > 0:
+        mean_acc = n / float(active)
+        acc_pos = [float(a) / float(active) for a in accepted[:k]]
+    return GenerationResult(
+        token_ids=new, texts=texts, prompt_lens=list(prompt_lens),
+        finish_reasons=["eos" if e else "length" for e in eos_hit], num_tokens=n, ttft_s=ttft,
+        total_s=total, compile_s=compile_s, tokens_per_second=n / total if total > 0 else 0.0,
+        num_target_forwards=int(steps), mean_accepted_length=mean_acc, acceptance_per_position=acc_pos,
+        spec_method=spec.method if spec is not None else "none", num_speculative_tokens=k)

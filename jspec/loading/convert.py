@@ -1,0 +1,121 @@
+"""Hugging Face tensor names -> jspec's Flax parameter pytree.
+
+Both loaders end here: the GGUF loader renames llama.cpp tensors to Hugging Face names first.
+Each tensor's shape is checked against the config, so a truncated or mismatched checkpoint
+fails with a :class:`CheckpointError` naming the tensor instead of a shape error deep in jit.
+
+Parameter tree (Flax ``nn.Dense`` kernels are ``[in, out]``):
+
+    embed_tokens/embedding                [V, H]
+    layers_{i}/input_layernorm/scale      [H]
+    layers_{i}/self_attn/qkv_proj/kernel  [H, (Hq + 2 KVH) D]   (bias [(Hq + 2 KVH) D] for Qwen2)
+    layers_{i}/self_attn/o_proj/kernel    [Hq D, H]
+    layers_{i}/post_attention_layernorm/scale [H]
+    layers_{i}/mlp/gate_up_proj/kernel    [H, 2 I]
+    layers_{i}/mlp/down_proj/kernel       [I, H]
+    norm/scale                            [H]
+    lm_head/kernel                        [H, V]   (untied models only)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.errors import CheckpointError
+
+TensorGetter = Callable[[str], "np.ndarray | None"]
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` must hold, in Hugging Face layout ([out, in])."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoint"):
+    """Build the parameter pytree from a getter of Hugging Face-named numpy tensors."""
+    shapes = expected_hf_shapes(cfg)
+    dtype = jnp.dtype(cfg.dtype)
+
+    def take(name: str) -> np.ndarray:
+        t = get(name)
+        if t is None:
+            raise CheckpointError(f"{source}: missing tensor {name}")
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
+        return np.asarray(t, np.float32)
+
+    def dev(x: np.ndarray) -> jax.Array:
+        return jnp.asarray(x, dtype)
+
+    params = {"embed_tokens": {"embedding": dev(take("model.embed_tokens.weight"))},
+              "norm": {"scale": dev(take("model.norm.weight"))}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"kernel": dev(take("lm_head.weight").T)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        qkv = np.concatenate([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0).T
+        attn = {"qkv_proj": {"kernel": dev(qkv)}, "o_proj": {"kernel": dev(take(p + "self_attn.o_proj.weight").T)}}
+        if cfg.qkv_bias:
+            attn["qkv_proj"]["bias"] = dev(np.concatenate([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
+        gate_up = np.concatenate([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], axis=0).T
+        params[f"layers_{n}"] = {
+            "input_layernorm": {"scale": dev(take(p + "input_layernorm.weight"))},
+            "post_attention_layernorm": {"scale": dev(take(p + "post_attention_layernorm.weight"))},
+            "self_attn": attn,
+            "mlp": {"gate_up_proj": {"kernel": dev(gate_up)},
+                    "down_proj": {"kernel": dev(take(p + "mlp.down_proj.weight").T)}},
+        }
+    return params
+
+
+def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """The inverse of :func:`params_from_hf` (export to a Hugging Face directory)."""
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    f = lambda x: np.asarray(jax.device_get(x), np.float32)  # noqa: E731
+    out = {"model.embed_tokens.weight": f(params["embed_tokens"]["embedding"]),
+           "model.norm.weight": f(params["norm"]["scale"])}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = f(params["lm_head"]["kernel"]).T
+    for n in range(cfg.num_layers):
+        lp, p = params[f"layers_{n}"], f"model.layers.{n}."
+        qkv = f(lp["self_attn"]["qkv_proj"]["kernel"]).T
+        out[p + "self_attn.q_proj.weight"] = qkv[:q]
+        out[p + "self_attn.k_proj.weight"] = qkv[q:q + kv]
+        out[p + "self_attn.v_proj.weight"] = qkv[q + kv:]
+        if cfg.qkv_bias:
+            b = f(lp["self_attn"]["qkv_proj"]["bias"])
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = b[:q], b[q:q + kv]
+            out[p + "self_attn.v_proj.bias"] = b[q + kv:]
+        out[p + "self_attn.o_proj.weight"] = f(lp["self_attn"]["o_proj"]["kernel"]).T
+        gu = f(lp["mlp"]["gate_up_proj"]["kernel"]).T
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gu[:i], gu[i:]
+        out[p + "mlp.down_proj.weight"] = f(lp["mlp"]["down_proj"]["kernel"]).T
+        out[p + "input_layernorm.weight"] = f(lp["input_layernorm"]["scale"])
+        out[p + "post_attention_layernorm.weight"] = f(lp["post_attention_layernorm"]["scale"])
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
