@@ -1,0 +1,5 @@
+import sys
+
+from jspec.cli import main
+
+sys.exit(main())

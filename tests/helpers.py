@@ -1,0 +1,108 @@
+"""Shared builders for tests: tiny configs, tiny Hugging Face checkpoints, tiny tokenizers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.loading import LoadedModel
+
+TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=(1,))
+
+
+def tiny_config(**kw) -> ModelConfig:
+    return dataclasses.replace(TINY, **kw)
+
+
+def tiny_model(config: ModelConfig | None = None, seed: int = 0, scale: float = 1.0) -> LoadedModel:
+    """A random model on ``config`` (weights scaled up so greedy choices are far from ties)."""
+    from jspec.models.llama import init_params
+
+    config = config or TINY
+    params = init_params(config, jax.random.key(seed))
+    if scale != 1.0:
+        params = jax.tree_util.tree_map(lambda p: p * scale if p.ndim > 1 else p, params)
+    return LoadedModel(config, params, None, Path("tiny"), "test")
+
+
+def hf_config_dict(arch: str = "llama", **kw) -> dict:
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                initializer_range=0.2, bos_token_id=0, eos_token_id=1)
+    base.update(kw)
+    return base
+
+
+def write_hf_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = True,
+                        **config_kw) -> Path:
+    """A random transformers model saved as config.json + model.safetensors (+ tokenizer)."""
+    import torch
+    import transformers
+
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    cfg = cls_cfg(**hf_config_dict(arch, **config_kw))
+    model = cls_model(cfg).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    if tokenizer:
+        write_tiny_tokenizer(directory, cfg.vocab_size)
+    return directory
+
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello jspec. speculative decoding is lossless.",
+    "for i in range(10):\n    print(i)\n",
+]
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries, saved for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(str(directory))
+
+
+def dense_causal_attention(q, k, v, q_start):
+    """Numpy oracle: q [T, Hq, D] at positions q_start.., k/v [N, KVH, D] contiguous."""
+    t, hq, d = q.shape
+    kvh = k.shape[1]
+    g = hq // kvh
+    out = np.zeros_like(q, dtype=np.float64)
+    for h in range(hq):
+        kh, vh = k[:, h // g].astype(np.float64), v[:, h // g].astype(np.float64)
+        for i in range(t):
+            n = q_start + i + 1
+            s = kh[:n] @ q[i, h].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vh[:n]
+    return out
+
+
+def save_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2))
