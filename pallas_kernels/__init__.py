@@ -7,7 +7,8 @@ with the same signature. Tile tables live in :mod:`pallas_kernels.tuning`.
 
 from pallas_kernels.paged_verify_attention import (
     check_paged_verify_args,
+    paged_verify_attention,
     paged_verify_attention_reference,
 )
 
-__all__ = ["check_paged_verify_args", "paged_verify_attention_reference"]
+__all__ = ["check_paged_verify_args", "paged_verify_attention", "paged_verify_attention_reference"]

@@ -9,6 +9,11 @@ The contract (one meaning everywhere; see DESIGN.md):
 
 Decode is q_len = 1, speculative verification q_len = k + 1, chunked prefill q_len = chunk.
 
+Implementations here: ``paged_verify_attention`` (the Pallas Triton kernel; ``interpret=True``
+runs it on the CPU) and ``paged_verify_attention_reference`` (plain jnp, the oracle). The
+kernel's design is described above ``_paged_verify_kernel``; its tiles come from
+:mod:`pallas_kernels.tuning`.
+
 Shapes:
     q             [B, T, Hq, D]
     k_pages       [KVH, num_pages, page_size, D]
@@ -106,6 +111,10 @@ def paged_verify_attention_reference(
 
     k = k_pages[:, block_tables].reshape(kvh, b, n, d)  # [KVH, B, N, D]
     v = v_pages[:, block_tables].reshape(kvh, b, n, d)
+    # Slots past kv_len hold stale data (rolled-back drafts, other sequences' pages, anything):
+    # zero them so even a NaN there cannot leak through 0 * NaN.
+    live = (jnp.arange(n)[None, :] < kv_lens[:, None])[None, :, :, None]  # [1, B, N, 1]
+    v = jnp.where(live, v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, kvh, group, d)
     s = jnp.einsum("btkgd,kbnd->bkgtn", qg, k, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST) * scale  # [B, KVH, G, T, N]
@@ -188,7 +197,7 @@ def _paged_verify_kernel(
 
     q = q_ref[...]  # [block_q, Dp]
     d_idx = lax.broadcasted_iota(jnp.int32, (1, dp), 1)  # [1, Dp]
-    d_ok = d_idx < head_dim  # padding lanes of a non-power-of-two head_dim
+    d_ok = d_idx < head_dim if dp != head_dim else None  # padding lanes of an odd head_dim
 
     def step(i, carry):
         o, m, l = carry
@@ -198,7 +207,8 @@ def _paged_verify_kernel(
         page = plgpu.load(table_ref.at[slot], mask=k_ok, other=0)  # [block_k] page ids
         offset = k_pos - slot * page_size
         idx = (page[:, None], offset[:, None], d_idx)  # -> [block_k, Dp]
-        kv_ok = k_ok[:, None] & d_ok
+        kv_ok = jnp.broadcast_to(k_ok[:, None] if d_ok is None else k_ok[:, None] & d_ok,
+                                 (block_k, dp))
         k = plgpu.load(k_ref.at[idx], mask=kv_ok, other=0)
         v = plgpu.load(v_ref.at[idx], mask=kv_ok, other=0)
 
@@ -401,7 +411,8 @@ def _paged_verify_attention(
                 num_warps=entry.num_warps if num_warps is None else num_warps,
                 num_stages=entry.num_stages if num_stages is None else num_stages),
             interpret=interpret,
-            name=f"paged_verify_attention_bq{bq}_bk{bk}_s{ns}",
+            # The tile entry's name in the kernel name shows in profiles and lowered HLO.
+            name=f"paged_verify_attention_{entry.name.replace('-', '_')}_bq{bq}_bk{bk}_s{ns}",
         )(kv_lens, q_lens, block_tables, qr, k_pages, v_pages)
 
     with jax.named_scope("paged_verify_attention_merge"):
