@@ -202,7 +202,7 @@ def init_state(config: ModelConfig, prompts: list[list[int]], sampling: Sampling
 # ----------------------------------------------------------------------------- front door
 
 def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams = SamplingParams(), *,
-             spec: SpecConfig = SpecConfig(), drafter=None, cache_config: CacheConfig = CacheConfig(),
+             spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None, cache_config: CacheConfig = CacheConfig(),
              attention: str = "auto", chat: bool = False, seeds: Optional[Sequence[int]] = None,
              on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              stream_interval: int = 8) -> GenerationResult:
@@ -210,7 +210,8 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
 
     With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
     lossless: greedy output equals plain greedy output token for token, and sampled output
-    follows the target's distribution. ``on_tokens`` receives, after each burst of
+    follows the target's distribution. A custom ``drafter`` (see :mod:`jspec.spec.drafters.base`)
+    with its ``drafter_params`` replaces the one ``spec`` names. ``on_tokens`` receives, after each burst of
     ``stream_interval`` steps, the new tokens of every sequence since the last call.
     """
     config, params, tokenizer = model.config, model.params, model.tokenizer
@@ -222,14 +223,13 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
     if drafter is None and spec.enabled:
         from jspec.spec.drafters import make_drafter
 
-        drafter = make_drafter(spec, model)
+        drafter, drafter_params = make_drafter(spec, model, attention)
     k = drafter.k if drafter is not None else 0
     state, tokens_np = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
     if drafter is not None:
         from jspec.spec.step import SpecStep
 
         step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
-        drafter_params = drafter.params
     else:
         step = PlainStep(config, sampling.logits_key(), eos, attention)
         drafter_params = None
@@ -239,7 +239,8 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
     cache = prefill(params, config, tokens_np, prompt_lens, state.cache, cache_config, attention)
     state = state.replace(cache=cache)
     if drafter is not None:
-        state = state.replace(drafter=drafter.init(params, tokens_np, prompt_lens, state, cache_config))
+        state = state.replace(drafter=drafter.init(params, drafter_params, tokens_np, prompt_lens, state,
+                                                   cache_config))
     state = _burst_jit(step, params, drafter_params, state, jnp.int32(1))
     seq_lens = np.asarray(jax.device_get(state.seq_lens))
     ttft = watch.elapsed()
@@ -256,17 +257,18 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
         state = _burst_jit(step, params, drafter_params, state, jnp.int32(limit))
         seq_lens = np.asarray(jax.device_get(state.seq_lens))
     total, compile_s = watch.elapsed(), watch.compile_s()
-    return _result(state, prompt_lens.tolist(), tokenizer, ttft, total, compile_s, spec if drafter is not None else None, k)
+    method = (spec.method if spec.enabled else type(drafter).__name__) if drafter is not None else None
+    return _result(state, prompt_lens.tolist(), tokenizer, ttft, total, compile_s, method, k)
 
 
-def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, spec, k) -> GenerationResult:
+def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, method, k) -> GenerationResult:
     toks, seq_lens, eos_hit, steps, active, accepted = jax.device_get(
         (state.tokens, state.seq_lens, state.eos_hit, state.steps, state.active_steps, state.accepted))
     new = [toks[i, prompt_lens[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
     n = sum(len(t) for t in new)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in new] if tokenizer is not None else None
     mean_acc = acc_pos = None
-    if spec is not None and active > 0:
+    if method is not None and active > 0:
         mean_acc = n / float(active)
         acc_pos = [float(a) / float(active) for a in accepted[:k]]
     return GenerationResult(
@@ -274,4 +276,4 @@ def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, spe
         finish_reasons=["eos" if e else "length" for e in eos_hit], num_tokens=n, ttft_s=ttft,
         total_s=total, compile_s=compile_s, tokens_per_second=n / total if total > 0 else 0.0,
         num_target_forwards=int(steps), mean_accepted_length=mean_acc, acceptance_per_position=acc_pos,
-        spec_method=spec.method if spec is not None else "none", num_speculative_tokens=k)
+        spec_method=method or "none", num_speculative_tokens=k)

@@ -78,13 +78,16 @@ class LoadedModel:
 
     def weights_hash(self) -> str:
         """sha256 of the weight file(s): the identity a trained draft's card records."""
+        if getattr(self, "_weights_hash", None):
+            return self._weights_hash
         files = [self.source] if self.source.is_file() else sorted(self.source.glob("*.safetensors"))
         h = hashlib.sha256()
         for f in files:
             with open(f, "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 22), b""):
                     h.update(block)
-        return h.hexdigest()
+        self._weights_hash = h.hexdigest()
+        return self._weights_hash
 
 
 def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:

@@ -1,0 +1,47 @@
+"""Drafters: n-gram prompt lookup, layer-skip self-speculation, a draft model, an EAGLE head."""
+
+from __future__ import annotations
+
+from jspec.config import SpecConfig
+from jspec.errors import ConfigError, DraftMismatchError
+from jspec.spec.drafters.base import Proposal
+from jspec.spec.drafters.draft_model import DraftModelDrafter
+from jspec.spec.drafters.layerskip import LayerSkipDrafter
+from jspec.spec.drafters.ngram import NgramDrafter
+
+
+def check_same_vocab(target, draft) -> None:
+    """A draft must share the target's vocabulary: same size and, where both have tokenizers,
+    the same token -> id map."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise DraftMismatchError(f"draft {draft.source} has a vocabulary of {dv} tokens, the target {tv}")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise DraftMismatchError(f"draft {draft.source} has another vocabulary than the target")
+
+
+def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
+    """(drafter, drafter_params) for ``spec`` and the loaded ``target`` model."""
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        return NgramDrafter(k, spec.ngram_max, spec.ngram_min), None
+    if spec.method == "layerskip":
+        n = target.config.num_layers
+        if not 1 <= spec.layerskip_layers < n:
+            raise ConfigError(f"layerskip:L needs 1 <= L < {n} (the target's layers), got {spec.layerskip_layers}")
+        return LayerSkipDrafter(k, target.config, spec.layerskip_layers, attention), None
+    if spec.method == "draft":
+        from jspec.train.checkpoint import load_draft
+
+        draft = load_draft(spec.draft, target, expect_arch="small-llama")
+        check_same_vocab(target, draft)
+        return DraftModelDrafter(k, draft.config, attention), draft.params
+    if spec.method == "eagle":
+        from jspec.spec.drafters.eagle import make_eagle_drafter
+
+        return make_eagle_drafter(spec, target, attention)
+    raise ConfigError(f"no drafter for spec method {spec.method!r}")
+
+
+__all__ = ["Proposal", "NgramDrafter", "LayerSkipDrafter", "DraftModelDrafter", "make_drafter", "check_same_vocab"]

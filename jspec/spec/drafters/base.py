@@ -1,0 +1,69 @@
+"""The drafter interface: drafters only propose.
+
+A drafter is a frozen, hashable dataclass (a static argument of the jitted decode loop); its
+parameters, if any, travel separately as a pytree, and its changing state lives in
+``GenState.drafter``. It never decides acceptance and never owns the target's buffers: the
+layer-skip drafter may write the K/V of the target's first layers (identical to what the
+target writes for them), and hands the cache back for verification.
+
+    init(target_params, drafter_params, tokens, prompt_lens, state, cache_config) -> drafter state
+        host side, after the target's prefill (a draft model prefills its own cache here)
+    propose(drafter_params, target_params, state, sampling) -> Proposal      (jitted)
+    observe(drafter_params, target_params, state, verify_hidden, num_accepted) -> drafter state
+        after acceptance was committed to ``state`` (roll back own cache, keep features)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+from jspec.cache.paged import PagedKVCache
+
+
+class Proposal(NamedTuple):
+    drafts: jax.Array  # int32 [B, k]
+    draft_probs: Optional[jax.Array]  # [B, k, V] q distributions, or None (deterministic drafter)
+    drafter_state: Any
+    target_cache: PagedKVCache  # the target cache to verify on (unchanged except layer-skip)
+
+
+class StatelessDrafter:
+    """Mixin for drafters without state of their own."""
+
+    def init(self, target_params, drafter_params, tokens, prompt_lens, state, cache_config):
+        return None
+
+    def observe(self, drafter_params, target_params, state, verify_hidden, num_accepted):
+        return state.drafter
+
+
+def sample_chain(step_fn, cache, first_logits: jax.Array, keys: jax.Array, k: int, sampling):
+    """Draft k tokens autoregressively from ``first_logits`` [B, V] (the distribution of d_1).
+
+    ``step_fn(tokens [B, 1], cache) -> (logits [B, V], cache)`` runs the draft one token
+    further; it runs k - 1 times inside ``lax.scan`` (traced once, whatever k is). Returns
+    (drafts int32 [B, k], q [B, k, V] or None when greedy, cache).
+    """
+    import jax.numpy as jnp
+
+    from jspec import sampling as sampling_lib
+
+    def pick(j, logits):
+        sub = jax.vmap(lambda kk: jax.random.fold_in(kk, j))(keys)
+        tok = jax.vmap(lambda kk, l: sampling_lib.sample(kk, l, sampling))(sub, logits)
+        return tok, (None if sampling.greedy else sampling_lib.probs(logits, sampling))
+
+    d0, q0 = pick(0, first_logits)
+
+    def body(carry, j):
+        tok, c = carry
+        logits, c = step_fn(tok[:, None], c)
+        d, q = pick(j, logits)
+        return (d, c), (d, q)
+
+    (_, cache), (ds, qs) = jax.lax.scan(body, (d0, cache), jnp.arange(1, k))
+    drafts = jnp.concatenate([d0[:, None], ds.T], axis=1).astype(jnp.int32)  # [B, k]
+    q = None if sampling.greedy else jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+    return drafts, q, cache

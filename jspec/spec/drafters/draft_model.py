@@ -1,0 +1,71 @@
+"""A separate draft model (any Llama-family checkpoint sharing the target's vocabulary).
+
+The draft keeps its own paged cache (same page geometry and block tables as the target's,
+separate arrays) and stays in step with the committed tokens:
+
+- after prefill it holds K/V for ``prompt[:-1]`` (like the target: ``lengths == seq_len - 1``);
+- ``propose`` first feeds the tokens it has not seen yet -- 1, or 2 when the previous step
+  accepted all k drafts, since d_k itself was never fed -- as one forward with q_len 1 or 2,
+  then drafts k tokens, feeding d_1..d_{k-1} back (k draft forwards in all);
+- ``observe`` rolls its cache back to the committed text: ``min(lengths, seq_len - 1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.cache.paged import PagedKVCache, init_cache
+from jspec.config import ModelConfig
+from jspec.models.llama import forward
+from jspec.spec.drafters.base import Proposal, sample_chain
+from jspec.state import GenState, step_keys
+
+SALT_DRAFT = 200
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftModelState:
+    cache: PagedKVCache  # the draft's own cache; lengths[b] in {seq_len - 2, seq_len - 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDrafter:
+    k: int
+    config: ModelConfig  # the draft's
+    attention: str = "reference"
+
+    def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config):
+        from jspec.generation import prefill
+
+        c = self.config
+        tc = state.cache
+        cache = init_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.copy(tc.block_tables), tc.num_pages,
+                           tc.page_size, jnp.dtype(c.dtype))
+        cache = prefill(drafter_params, c, tokens, prompt_lens, cache, cache_config, self.attention)
+        return DraftModelState(cache)
+
+    def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
+        running = ~state.done
+        cache = state.drafter.cache
+        pending = state.seq_lens - cache.lengths  # 1 or 2 tokens the draft has not seen
+        idx = jnp.minimum(cache.lengths[:, None] + jnp.arange(2)[None, :], state.tokens.shape[1] - 1)
+        inp = jnp.take_along_axis(state.tokens, idx, axis=1)  # [B, 2]
+        out = forward(drafter_params, self.config, inp, cache, jnp.where(running, pending, 0),
+                      attention=self.attention)
+        first = jnp.take_along_axis(out.logits, (pending - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+        one = running.astype(jnp.int32)
+
+        def step(tok, c):
+            o = forward(drafter_params, self.config, tok, c, one, attention=self.attention)
+            return o.logits[:, -1], o.cache
+
+        drafts, q, cache = sample_chain(step, out.cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
+        return Proposal(drafts, q, DraftModelState(cache), state.cache)
+
+    def observe(self, drafter_params, target_params, state: GenState, verify_hidden, num_accepted):
+        cache = state.drafter.cache
+        return DraftModelState(cache.replace(lengths=jnp.minimum(cache.lengths, state.seq_lens - 1)))
