@@ -159,8 +159,8 @@ class SpecConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
-    ngram_max: int = 4  # n-gram prompt lookup: longest suffix tried first ...
-    ngram_min: int = 1  # ... down to this length
+    ngram_max: int = 3  # n-gram prompt lookup: longest suffix tried first ...
+    ngram_min: int = 2  # ... down to this length
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
     draft: Optional[str] = None  # draft / eagle: name or path of the draft checkpoint
 

@@ -50,7 +50,7 @@ class GenerationResult:
     tokens_per_second: float  # num_tokens / total_s
     num_target_forwards: int  # decode-loop iterations (each is one target forward)
     mean_accepted_length: Optional[float]  # new tokens per target forward per sequence (bonus included)
-    acceptance_per_position: Optional[list[float]]  # P(draft j accepted), j = 0..k-1
+    acceptance_per_position: Optional[list[float]]  # P(draft j accepted | draft j proposed), j = 0..k-1
     spec_method: str = "none"
     num_speculative_tokens: int = 0
 
@@ -195,7 +195,8 @@ def init_state(config: ModelConfig, prompts: list[list[int]], sampling: Sampling
         tokens=jnp.asarray(tokens), seq_lens=jnp.asarray(prompt_lens), prompt_lens=jnp.asarray(prompt_lens),
         max_lens=jnp.asarray(max_lens), done=jnp.zeros((b,), bool), eos_hit=jnp.zeros((b,), bool),
         keys=jnp.stack([jax.random.key(s) for s in seeds]), cache=cache, drafter=None,
-        steps=jnp.int32(0), active_steps=jnp.int32(0), accepted=jnp.zeros((max(num_spec, 1),), jnp.int32))
+        steps=jnp.int32(0), active_steps=jnp.int32(0), accepted=jnp.zeros((max(num_spec, 1),), jnp.int32),
+        proposed=jnp.zeros((max(num_spec, 1),), jnp.int32))
     return state, tokens
 
 
@@ -262,15 +263,16 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
 
 
 def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, method, k) -> GenerationResult:
-    toks, seq_lens, eos_hit, steps, active, accepted = jax.device_get(
-        (state.tokens, state.seq_lens, state.eos_hit, state.steps, state.active_steps, state.accepted))
+    toks, seq_lens, eos_hit, steps, active, accepted, proposed = jax.device_get(
+        (state.tokens, state.seq_lens, state.eos_hit, state.steps, state.active_steps, state.accepted,
+         state.proposed))
     new = [toks[i, prompt_lens[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
     n = sum(len(t) for t in new)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in new] if tokenizer is not None else None
     mean_acc = acc_pos = None
     if method is not None and active > 0:
         mean_acc = n / float(active)
-        acc_pos = [float(a) / float(active) for a in accepted[:k]]
+        acc_pos = [float(a) / float(p) if p else 0.0 for a, p in zip(accepted[:k], proposed[:k])]
     return GenerationResult(
         token_ids=new, texts=texts, prompt_lens=list(prompt_lens),
         finish_reasons=["eos" if e else "length" for e in eos_hit], num_tokens=n, ttft_s=ttft,

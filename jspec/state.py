@@ -31,6 +31,7 @@ class GenState:
     steps: jax.Array  # int32 []: loop iterations (one target forward each)
     active_steps: jax.Array  # int32 []: sum over steps of running sequences
     accepted: jax.Array  # int32 [K]: accepted[j] = sequence-steps where draft j was accepted
+    proposed: jax.Array  # int32 [K]: proposed[j] = sequence-steps where a draft j was proposed
 
     def replace(self, **kw) -> "GenState":
         return dataclasses.replace(self, **kw)

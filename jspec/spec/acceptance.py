@@ -21,6 +21,10 @@ recovered token from normalize(max(0, p_j - q_j)); after k acceptances draw the 
 from p_{k+1}. Each emitted token is then distributed exactly as p (the theorem of the paper),
 so sampling from the target alone and speculative sampling give the same distribution.
 
+A drafter may propose fewer than k real drafts for a sequence (``num_drafts[b] <= k``, e.g.
+n-gram lookup with a short or no match); positions past ``num_drafts`` are never accepted and
+the extra token at ``n == num_drafts`` is the bonus token drawn from p.
+
 p and q are the *processed* distributions (temperature, top-k, top-p via
 :func:`jspec.sampling.probs`), the same processing plain sampling uses.
 """
@@ -33,14 +37,22 @@ import jax.numpy as jnp
 from jspec.sampling import sample_from_probs
 
 
+def _real(drafts: jax.Array, num_drafts) -> jax.Array:
+    """bool [B, k]: which draft positions hold real proposals."""
+    if num_drafts is None:
+        return jnp.ones(drafts.shape, bool)
+    return jnp.arange(drafts.shape[1])[None, :] < num_drafts[:, None]
+
+
 def greedy_accept(
     drafts: jax.Array,  # int32 [B, k]
     target_logits: jax.Array,  # [B, k + 1, V]
+    num_drafts: jax.Array | None = None,  # int32 [B]: real drafts per sequence (None = k)
 ) -> tuple[jax.Array, jax.Array]:  # num_accepted int32 [B], next_token int32 [B]
     """Longest prefix of drafts equal to the target's argmax, plus the target's next token."""
     k = drafts.shape[1]
     best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
-    match = (drafts == best[:, :k]).astype(jnp.int32)
+    match = ((drafts == best[:, :k]) & _real(drafts, num_drafts)).astype(jnp.int32)
     n = jnp.sum(jnp.cumprod(match, axis=1), axis=1)  # length of the matching prefix
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
@@ -50,14 +62,17 @@ def rejection_sample(
     drafts: jax.Array,  # int32 [B, k]
     q: jax.Array,  # [B, k, V] draft distributions (one-hot for deterministic drafters)
     p: jax.Array,  # [B, k + 1, V] target distributions
+    num_drafts: jax.Array | None = None,  # int32 [B]: real drafts per sequence (None = k)
 ) -> tuple[jax.Array, jax.Array]:  # num_accepted int32 [B], next_token int32 [B]
     """Leviathan et al. speculative sampling; see the module docstring."""
     b, k = drafts.shape
+    real = _real(drafts, num_drafts)
+    q = jnp.where(real[..., None], q, 0.0)  # no draft there: q = 0, the extra token comes from p
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # p_j(d_j)  [B, k]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # q_j(d_j)       [B, k]
     u_keys, r_keys = jax.vmap(lambda kk: tuple(jax.random.split(kk)))(keys)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(u_keys)  # [B, k]
-    accept = u * q_d < p_d  # u < p/q without dividing; q_d > 0 for drafted tokens
+    accept = (u * q_d < p_d) & real  # u < p/q without dividing; q_d > 0 for drafted tokens
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
 
     # Distribution of the extra token at position n: residual after a rejection, p itself

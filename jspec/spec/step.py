@@ -38,33 +38,65 @@ class SpecStep:
         with jax.named_scope("draft"):
             prop = self.drafter.propose(drafter_params, params, state, self.sampling)
 
-        # 2. Verify: the target scores [last token, d_1..d_k] in one forward (q_len = k + 1),
-        #    writing their K/V at positions seq_len - 1 .. seq_len + k - 1.
-        with jax.named_scope("verify"):
-            q_lens = jnp.where(running, k + 1, 0).astype(jnp.int32)
-            inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
-            out = forward(params, self.config, inp, prop.target_cache, q_lens, attention=self.attention)
-
-        # 3. Accept: n drafts survive; one recovered/bonus token follows them.
-        with jax.named_scope("accept"):
-            if self.sampling.greedy:
-                n, nxt = greedy_accept(prop.drafts, out.logits)
-            else:
-                p = sampling_lib.probs(out.logits, self.sampling)  # [B, k + 1, V]
-                q = prop.draft_probs if prop.draft_probs is not None else jax.nn.one_hot(
-                    prop.drafts, p.shape[-1], dtype=p.dtype)  # deterministic drafter: one-hot q
-                n, nxt = rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p)
+        # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. A
+        #      drafter with nothing to propose for any sequence (n-gram lookup without a match)
+        #      costs a plain one-token step instead of a (k + 1)-token verification.
+        if prop.num_drafts is None:
+            cache, hidden, n, nxt = self._verify(params, state, prop, None)
+        else:
+            cache, hidden, n, nxt = jax.lax.cond(
+                jnp.any(running & (prop.num_drafts > 0)),
+                lambda: self._verify(params, state, prop, prop.num_drafts),
+                lambda: self._plain(params, state, prop))
 
         # 4. Commit d_1..d_n and the extra token; commit() cuts at EOS and the token budget and
         #    rolls the target cache back to seq_len - 1 (the K/V of rejected drafts go stale).
         j = jnp.arange(k + 1)[None, :]
         drafts_pad = jnp.concatenate([prop.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
         cand = jnp.where(j < n[:, None], drafts_pad, nxt[:, None])  # [B, k + 1]
-        accepted = state.accepted + jnp.sum((running[:, None] & (jnp.arange(k)[None, :] < n[:, None])), axis=0)
-        new = state.replace(cache=out.cache, drafter=prop.drafter_state, steps=state.steps + 1,
-                            active_steps=state.active_steps + jnp.sum(running), accepted=accepted)
+        pos = jnp.arange(k)[None, :]
+        real = k if prop.num_drafts is None else prop.num_drafts[:, None]
+        accepted = state.accepted + jnp.sum(running[:, None] & (pos < n[:, None]), axis=0)
+        proposed = state.proposed + jnp.sum(running[:, None] & (pos < real), axis=0)
+        new = state.replace(cache=cache, drafter=prop.drafter_state, steps=state.steps + 1,
+                            active_steps=state.active_steps + jnp.sum(running), accepted=accepted,
+                            proposed=proposed)
         new = commit(new, cand, n + 1, self.eos_ids)
 
         # 5. The drafter catches up with what was committed (its own cache rollback, features).
         with jax.named_scope("draft_observe"):
-            return new.replace(drafter=self.drafter.observe(drafter_params, params, new, out.hidden, n))
+            return new.replace(drafter=self.drafter.observe(drafter_params, params, new, hidden, n))
+
+    def _verify(self, params, state: GenState, prop, num_drafts):
+        """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
+        their K/V at positions seq_len - 1 ..; acceptance picks n and the extra token."""
+        k = self.drafter.k
+        with jax.named_scope("verify"):
+            real = k if num_drafts is None else num_drafts
+            q_lens = jnp.where(state.done, 0, real + 1).astype(jnp.int32)
+            inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
+            out = forward(params, self.config, inp, prop.target_cache, q_lens, attention=self.attention)
+        with jax.named_scope("accept"):
+            if self.sampling.greedy:
+                n, nxt = greedy_accept(prop.drafts, out.logits, num_drafts)
+            else:
+                p = sampling_lib.probs(out.logits, self.sampling)  # [B, k + 1, V]
+                q = prop.draft_probs if prop.draft_probs is not None else jax.nn.one_hot(
+                    prop.drafts, p.shape[-1], dtype=p.dtype)  # deterministic drafter: one-hot q
+                n, nxt = rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p, num_drafts)
+        return out.cache, out.hidden, n, nxt
+
+    def _plain(self, params, state: GenState, prop):
+        """No drafts anywhere: one token from the target, as plain decoding would do."""
+        k = self.drafter.k
+        q_lens = (~state.done).astype(jnp.int32)
+        out = forward(params, self.config, last_tokens(state), prop.target_cache, q_lens, attention=self.attention)
+        logits = out.logits[:, 0]
+        if self.sampling.greedy:
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            p = sampling_lib.probs(logits, self.sampling)
+            nxt = jax.vmap(sampling_lib.sample_from_probs)(
+                jax.vmap(lambda kk: jax.random.split(kk)[1])(step_keys(state, SALT_ACCEPT)), p)
+        hidden = jnp.pad(out.hidden, ((0, 0), (0, k), (0, 0)))  # the verify branch's shape
+        return out.cache, hidden, jnp.zeros_like(q_lens), nxt

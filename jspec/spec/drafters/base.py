@@ -27,6 +27,7 @@ class Proposal(NamedTuple):
     draft_probs: Optional[jax.Array]  # [B, k, V] q distributions, or None (deterministic drafter)
     drafter_state: Any
     target_cache: PagedKVCache  # the target cache to verify on (unchanged except layer-skip)
+    num_drafts: Optional[jax.Array] = None  # int32 [B]: real drafts (<= k); None = k for all
 
 
 class StatelessDrafter:

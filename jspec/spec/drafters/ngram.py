@@ -2,9 +2,9 @@
 
 For n from ``ngram_max`` down to ``ngram_min``, find the latest position i < seq_len - n where
 ``tokens[i:i+n]`` equals the last n committed tokens; the first n with a match wins and its
-continuation ``tokens[i+n : i+n+k]`` is proposed (positions past the committed text are clipped
-to the last token). Without any match the last token is repeated (cheap, and verification
-stays lossless whatever is proposed). Deterministic, so q is one-hot. Runs on the device:
+continuation ``tokens[i+n : i+n+k]`` is proposed, cut at the end of the committed text: the
+proposal has ``num_drafts <= k`` real tokens, 0 without any match (the step then runs a plain
+one-token forward instead of a verification). Deterministic, so q is one-hot. Runs on the device:
 matching is a fixed-shape comparison over the token buffer.
 """
 
@@ -19,8 +19,8 @@ from jspec.spec.drafters.base import Proposal, StatelessDrafter
 from jspec.state import GenState
 
 
-def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int) -> jax.Array:
-    """Drafts [k] for one sequence: tokens int32 [N], seq_len int32 []."""
+def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int):
+    """(drafts int32 [k], num_drafts int32 []) for one sequence: tokens int32 [N], seq_len int32 []."""
     size = tokens.shape[0]
     pos = jnp.arange(size)
     best_start = jnp.int32(-1)
@@ -35,9 +35,9 @@ def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_m
         take = ~found & (latest >= 0)
         best_start = jnp.where(take, latest + n, best_start)
         found |= latest >= 0
-    idx = jnp.where(found, best_start, seq_len - 1) + jnp.arange(k)
-    idx = jnp.where(found, jnp.minimum(idx, seq_len - 1), seq_len - 1)
-    return tokens[idx]
+    idx = jnp.minimum(jnp.where(found, best_start, seq_len - 1) + jnp.arange(k), seq_len - 1)
+    num = jnp.where(found, jnp.minimum(k, seq_len - best_start), 0)  # committed tokens only
+    return tokens[idx], num.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,6 @@ class NgramDrafter(StatelessDrafter):
     n_min: int = 1
 
     def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
-        drafts = jax.vmap(lambda t, s: ngram_propose(t, s, self.k, self.n_max, self.n_min))(
+        drafts, num = jax.vmap(lambda t, s: ngram_propose(t, s, self.k, self.n_max, self.n_min))(
             state.tokens, state.seq_lens)
-        return Proposal(drafts.astype(jnp.int32), None, state.drafter, state.cache)
+        return Proposal(drafts.astype(jnp.int32), None, state.drafter, state.cache, num)

