@@ -107,8 +107,8 @@ _burst_jit = jax.jit(_burst, static_argnums=0, donate_argnums=3)
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=2)
 def _prefill_chunk(params, tokens, cache, q_lens, *, config, attention):
-    return forward(params, config, tokens, cache, q_lens, attention=attention,
-                   compute_logits=False).cache
+    out = forward(params, config, tokens, cache, q_lens, attention=attention, compute_logits=False)
+    return out.cache, out.hidden
 
 
 # ----------------------------------------------------------------------------- setup
@@ -151,22 +151,36 @@ def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def prefill(params, config: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, cache,
-            cache_config: CacheConfig, attention: str):
-    """Write ``prompt[:-1]`` of each sequence into ``cache`` in chunks; returns the cache."""
-    todo = prompt_lens - 1
-    longest = int(todo.max())
+def prefill_chunks(prompt_lens: np.ndarray, cache_config: CacheConfig) -> tuple[int, list[int]]:
+    """(chunk size, chunk starts) covering ``prompt[:-1]`` of every sequence."""
+    longest = int((prompt_lens - 1).max())
     if longest == 0:
-        return cache
+        return 0, []
     chunk = min(cache_config.prefill_chunk, _bucket(longest))
-    for start in range(0, longest, chunk):
+    return chunk, list(range(0, longest, chunk))
+
+
+def prefill(params, config: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, cache,
+            cache_config: CacheConfig, attention: str, return_hidden: bool = False):
+    """Write ``prompt[:-1]`` of each sequence into ``cache`` in chunks; returns the cache, and
+    with ``return_hidden`` also the final hidden states [B, N, H] of those positions."""
+    todo = prompt_lens - 1
+    chunk, starts = prefill_chunks(prompt_lens, cache_config)
+    hidden = []
+    for start in starts:
         piece = np.zeros((tokens.shape[0], chunk), np.int32)
         width = min(chunk, tokens.shape[1] - start)
         piece[:, :width] = tokens[:, start:start + width]
         q_lens = np.clip(todo - start, 0, chunk).astype(np.int32)
-        cache = _prefill_chunk(params, jnp.asarray(piece), cache, jnp.asarray(q_lens),
-                               config=config, attention=attention)
-    return cache
+        cache, h = _prefill_chunk(params, jnp.asarray(piece), cache, jnp.asarray(q_lens),
+                                  config=config, attention=attention)
+        if return_hidden:
+            hidden.append(h)
+    if not return_hidden:
+        return cache
+    if not hidden:
+        return cache, jnp.zeros((tokens.shape[0], 0, config.hidden_size), jnp.dtype(config.dtype))
+    return cache, jnp.concatenate(hidden, axis=1)
 
 
 def init_state(config: ModelConfig, prompts: list[list[int]], sampling: SamplingParams,
@@ -237,11 +251,17 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
 
     prompt_lens = np.asarray([len(p) for p in ids], np.int32)
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
-    cache = prefill(params, config, tokens_np, prompt_lens, state.cache, cache_config, attention)
+    needs_hidden = getattr(drafter, "needs_prefill_hidden", False)
+    cache = prefill(params, config, tokens_np, prompt_lens, state.cache, cache_config, attention,
+                    return_hidden=needs_hidden)
+    cache, hidden = cache if needs_hidden else (cache, None)
     state = state.replace(cache=cache)
     if drafter is not None:
         state = state.replace(drafter=drafter.init(params, drafter_params, tokens_np, prompt_lens, state,
-                                                   cache_config))
+                                                   cache_config, hidden))
+    # Wait for prefill before the decode loop compiles: a compilation overlapping device work
+    # would hide that work from the timing (compile time is subtracted).
+    jax.block_until_ready(state)
     state = _burst_jit(step, params, drafter_params, state, jnp.int32(1))
     seq_lens = np.asarray(jax.device_get(state.seq_lens))
     ttft = watch.elapsed()

@@ -1,8 +1,10 @@
 """Wall-clock timing with JAX's compilation time taken out.
 
-JAX reports tracing, lowering and backend compilation through ``jax.monitoring``; a listener
-sums them, so a timed region can report its run time apart from its compile time without
-running anything twice.
+JAX reports tracing, lowering and backend compilation through ``jax.monitoring`` when each
+finishes. Those spans nest (tracing an outer ``jit`` traces the inner ones too), so the
+listener keeps each span as an interval ending "now" and a timed region subtracts the length of
+the *union* of the intervals inside it: run time and compile time come apart without running
+anything twice.
 """
 
 from __future__ import annotations
@@ -18,22 +20,35 @@ _COMPILE_EVENTS = (
     "/jax/core/compile/backend_compile_duration",
 )
 _lock = threading.Lock()
-_compile_total = [0.0]
+_intervals: list[tuple[float, float]] = []
 
 
 def _listener(event: str, duration: float, **kwargs) -> None:
     if event in _COMPILE_EVENTS:
+        end = time.perf_counter()
         with _lock:
-            _compile_total[0] += duration
+            _intervals.append((end - duration, end))
 
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
 
 
-def compile_seconds() -> float:
-    """Seconds JAX has spent tracing, lowering and compiling in this process so far."""
+def compile_seconds(since: float = float("-inf"), until: float = float("inf")) -> float:
+    """Seconds of tracing/lowering/compiling between two ``perf_counter`` times (nested spans
+    counted once)."""
     with _lock:
-        return _compile_total[0]
+        spans = sorted((max(a, since), min(b, until)) for a, b in _intervals if b > since and a < until)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
 
 
 class Stopwatch:
@@ -41,13 +56,13 @@ class Stopwatch:
 
     def __init__(self):
         self.t0 = time.perf_counter()
-        self.c0 = compile_seconds()
 
     def compile_s(self) -> float:
-        return compile_seconds() - self.c0
+        return compile_seconds(self.t0, time.perf_counter())
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.t0
 
     def elapsed(self) -> float:
-        return max(0.0, self.wall_s() - self.compile_s())
+        now = time.perf_counter()
+        return max(0.0, (now - self.t0) - compile_seconds(self.t0, now))

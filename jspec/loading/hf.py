@@ -149,3 +149,28 @@ def load_hf_params(directory: Path, config: ModelConfig):
     from jspec.loading.convert import params_from_hf
 
     return params_from_hf(config, SafetensorsDir(directory).get, str(directory))
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A Hugging Face ``config.json`` for ``cfg`` (Llama or Qwen2; the inverse of config_from_hf)."""
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if cfg.architecture == "qwen2" else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.architecture == "qwen2" else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
+        "mlp_bias": False, "torch_dtype": cfg.dtype,
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                             "high_freq_factor": rs.high_freq_factor,
+                             "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if cfg.bos_token_id is not None:
+        d["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        d["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    return d

@@ -196,6 +196,13 @@ def forward(params, config: ModelConfig, tokens, cache: PagedKVCache, q_lens, *,
             {"params": params}, tokens, cache, q_lens, num_layers, compute_logits))
 
 
+def output_embedding(params, config: ModelConfig) -> jax.Array:
+    """The LM head as rows [V, H]: logits = hidden @ rows.T (the tied embedding, or lm_head)."""
+    if config.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"]
+    return params["lm_head"]["kernel"].T
+
+
 def embed(params, config: ModelConfig, tokens) -> jax.Array:
     return _module(config, "reference").apply({"params": params}, tokens, method="embed")
 

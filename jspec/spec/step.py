@@ -65,7 +65,7 @@ class SpecStep:
 
         # 5. The drafter catches up with what was committed (its own cache rollback, features).
         with jax.named_scope("draft_observe"):
-            return new.replace(drafter=self.drafter.observe(drafter_params, params, new, hidden, n))
+            return new.replace(drafter=self.drafter.observe(drafter_params, params, state, new, hidden, n))
 
     def _verify(self, params, state: GenState, prop, num_drafts):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing

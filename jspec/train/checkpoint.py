@@ -1,33 +1,108 @@
 """Draft checkpoints: safetensors + a JSON card, in ``checkpoints/NAME``.
 
-A ``small-llama`` draft is a complete Hugging Face Llama directory (``config.json`` +
-``model.safetensors``) plus ``card.json``, so transformers' assisted generation can load the
-very same draft. An ``eagle`` head is ``eagle.safetensors`` + ``card.json``.
+``small-llama`` (a distilled few-layer Llama)::
 
-The card records what the draft is and whom it drafts for:
+    config.json          Hugging Face Llama config of the draft
+    model.safetensors    its tensors under Hugging Face names, *without* the embedding: the draft
+                         shares the target's (frozen) token embedding / tied LM head
+    draft_vocab.safetensors   ``draft_vocab_ids``: the tokens its drafting head covers
+    card.json
+
+``eagle`` (a feature-level head)::
+
+    eagle.safetensors    ``head/...`` parameters and ``draft_vocab_ids``
+    card.json
+
+The card records what the draft is and whom it drafts for::
 
     {"format": "jspec-draft", "version": 1, "architecture": "small-llama" | "eagle",
-     "target": {"name": ..., "weights_sha256": ..., "vocab_size": ...},
-     "config": {...}, "data": {...}, "training": {...}, "measured": {...}}
+     "target": {"name", "weights_sha256", "vocab_size"}, "config": {...}, "data": {...},
+     "training": {...}, "measured": {...}}
 
-Loading a draft whose card names another target (a different weights hash) is refused with
-:class:`DraftMismatchError`.
+A draft whose card names another target (another weights hash) is refused with
+:class:`DraftMismatchError`. Files are written to a temporary name and renamed into place, so
+an interrupted save leaves no half-written file. ``export_hf`` writes a complete Hugging Face
+directory (embedding and tokenizer included) that transformers' assisted generation loads.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from jspec.errors import CheckpointError, DraftMismatchError
+import jax
+import numpy as np
+
+from jspec.errors import CheckpointError, CheckpointNotFoundError, DraftMismatchError
 
 CARD = "card.json"
 FORMAT = "jspec-draft"
-
-
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 
+
+# ----------------------------------------------------------------------------- files
+
+def flatten(tree, prefix: str = "") -> dict[str, np.ndarray]:
+    """Nested dict of arrays -> {"a/b/c": array}."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "/"))
+        else:
+            out[key] = np.asarray(jax.device_get(v))
+    return out
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for key, v in flat.items():
+        node = tree
+        *parents, leaf = key.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: missing")
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+# ----------------------------------------------------------------------------- cards
 
 def resolve_draft_path(name_or_path: str) -> Path | None:
     """A path, or the name of a draft shipped in this project's ``checkpoints/``; None when
@@ -53,8 +128,16 @@ def read_card(directory: Path) -> dict[str, Any] | None:
     return card
 
 
-def check_card_target(card: dict, target, source: Path) -> None:
-    """Refuse a draft trained for another target."""
+def target_identity(target) -> dict:
+    return {"name": target.source.name, "weights_sha256": target.weights_hash(),
+            "vocab_size": target.config.vocab_size}
+
+
+def check_card(card: dict, target, source: Path, architecture: str) -> None:
+    """Refuse a draft of another architecture or trained for another target."""
+    if card.get("architecture") != architecture:
+        raise DraftMismatchError(f"{source}: card says architecture {card.get('architecture')!r}, "
+                                 f"expected {architecture!r}")
     want = card.get("target", {}).get("weights_sha256")
     if want and want != target.weights_hash():
         raise DraftMismatchError(
@@ -62,17 +145,109 @@ def check_card_target(card: dict, target, source: Path) -> None:
             f"(weights sha256 {want[:12]}...), not for {target.source.name} ({target.weights_hash()[:12]}...)")
 
 
-def load_draft(name_or_path: str, target, expect_arch: str):
-    """Load a draft for ``target``: a jspec draft checkpoint (card checked) or any model."""
+# ----------------------------------------------------------------------------- small-llama
+
+def save_small_llama(out: Path, config, params, vocab_ids, card: dict) -> None:
+    """Write a distilled draft (its embedding is the target's and is not stored)."""
+    from jspec.loading.convert import params_to_hf
+    from jspec.loading.hf import hf_config_dict
+
+    tensors = params_to_hf(config, params)
+    tensors.pop("model.embed_tokens.weight")
+    save_tensors(out / "model.safetensors", tensors, {"format": "pt"})
+    save_tensors(out / "draft_vocab.safetensors", {"draft_vocab_ids": np.asarray(vocab_ids, np.int32)})
+    write_json(out / "config.json", hf_config_dict(config))
+    write_json(out / CARD, dict(card, format=FORMAT, version=1, architecture="small-llama",
+                                shares_target_embedding=True))
+
+
+def load_small_llama(path: Path, target):
+    """(LoadedModel of the draft with the target's embedding, draft vocabulary ids or None)."""
+    from jspec.loading import LoadedModel
+    from jspec.loading.convert import params_from_hf
+    from jspec.loading.hf import SafetensorsDir, load_hf_config
+
+    config = load_hf_config(path, target.config.dtype)
+    tensors = SafetensorsDir(path)
+    embed = np.asarray(jax.device_get(target.params["embed_tokens"]["embedding"]))
+
+    def get(name):
+        t = tensors.get(name)
+        return embed if t is None and name == "model.embed_tokens.weight" else t
+
+    params = params_from_hf(config, get, str(path))
+    vocab_ids = None
+    if (path / "draft_vocab.safetensors").exists():
+        vocab_ids = jax.numpy.asarray(load_tensors(path / "draft_vocab.safetensors")["draft_vocab_ids"])
+    return LoadedModel(config, params, target.tokenizer, path, "jspec-draft"), vocab_ids
+
+
+def load_draft(name_or_path: str, target):
+    """A draft model for ``target``: a jspec small-llama checkpoint (card checked; returns its
+    draft vocabulary too) or any model name/path (vocabulary ids None)."""
     from jspec.loading import load_model
 
     path = resolve_draft_path(name_or_path)
     if path is None:
-        return load_model(name_or_path, dtype=target.config.dtype)
+        return load_model(name_or_path, dtype=target.config.dtype), None
     card = read_card(path) if path.is_dir() else None
-    if card is not None:
-        if card.get("architecture") != expect_arch:
-            raise DraftMismatchError(f"{path}: card says architecture {card.get('architecture')!r}, "
-                                     f"expected {expect_arch!r}")
-        check_card_target(card, target, path)
-    return load_model(str(path), dtype=target.config.dtype)
+    if card is None:
+        return load_model(str(path), dtype=target.config.dtype), None
+    check_card(card, target, path, "small-llama")
+    return load_small_llama(path, target)
+
+
+def export_hf(path: Path, target, out: Path) -> Path:
+    """A complete Hugging Face Llama directory of a small-llama draft (embedding and the
+    target's tokenizer included) for transformers' assisted generation."""
+    from jspec.loading.convert import params_to_hf
+    from jspec.loading.hf import hf_config_dict
+
+    draft, _ = load_draft(str(path), target)
+    save_tensors(out / "model.safetensors", params_to_hf(draft.config, draft.params), {"format": "pt"})
+    write_json(out / "config.json", hf_config_dict(draft.config))
+    if target.tokenizer is not None:
+        target.tokenizer.save_pretrained(str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------- eagle
+
+def save_eagle(out: Path, head_params, vocab_ids, card: dict) -> None:
+    tensors = {f"head/{k}": v for k, v in flatten(head_params).items()}
+    tensors["draft_vocab_ids"] = np.asarray(vocab_ids, np.int32)
+    save_tensors(out / "eagle.safetensors", tensors)
+    write_json(out / CARD, dict(card, format=FORMAT, version=1, architecture="eagle"))
+
+
+def load_eagle(name_or_path: str, target) -> dict:
+    """Drafter params ``{"head", "lm_head", "vocab_ids"}`` of an EAGLE checkpoint for ``target``."""
+    import jax.numpy as jnp
+
+    from jspec.models.llama import output_embedding
+
+    path = resolve_draft_path(name_or_path)
+    if path is None or not path.is_dir():
+        raise CheckpointNotFoundError(f"{name_or_path}: no such EAGLE checkpoint directory")
+    card = read_card(path)
+    if card is None:
+        raise CheckpointError(f"{path}: no {CARD}")
+    check_card(card, target, path, "eagle")
+    flat = load_tensors(path / "eagle.safetensors")
+    vocab_ids = jnp.asarray(flat.pop("draft_vocab_ids"), jnp.int32)
+    dtype = jnp.dtype(target.config.dtype)
+    head = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype),
+                                  unflatten({k[len("head/"):]: v for k, v in flat.items()}))
+    _check_eagle_shapes(head, target.config, path)
+    lm_head = jnp.take(output_embedding(target.params, target.config), vocab_ids, axis=0)
+    return {"head": head, "lm_head": lm_head, "vocab_ids": vocab_ids}
+
+
+def _check_eagle_shapes(head, config, path: Path) -> None:
+    from jspec.models.eagle import init_eagle_params
+
+    want = jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0)))
+    got_shapes = jax.tree_util.tree_map(lambda x: x.shape, head)
+    want_shapes = jax.tree_util.tree_map(lambda x: x.shape, want)
+    if got_shapes != want_shapes:
+        raise DraftMismatchError(f"{path}: EAGLE head shapes do not fit the target's config")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError, DraftMismatchError
+from jspec.models.llama import output_embedding
 from jspec.spec.drafters.base import Proposal
 from jspec.spec.drafters.draft_model import DraftModelDrafter
 from jspec.spec.drafters.layerskip import LayerSkipDrafter
@@ -34,9 +37,13 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
     if spec.method == "draft":
         from jspec.train.checkpoint import load_draft
 
-        draft = load_draft(spec.draft, target, expect_arch="small-llama")
+        draft, vocab_ids = load_draft(spec.draft, target)
         check_same_vocab(target, draft)
-        return DraftModelDrafter(k, draft.config, attention), draft.params
+        if vocab_ids is None:
+            return DraftModelDrafter(k, draft.config, attention), draft.params
+        head = jnp.take(output_embedding(draft.params, draft.config), vocab_ids, axis=0)
+        return (DraftModelDrafter(k, draft.config, attention, draft_vocab=True),
+                {"model": draft.params, "lm_head": head, "vocab_ids": vocab_ids})
     if spec.method == "eagle":
         from jspec.spec.drafters.eagle import make_eagle_drafter
 

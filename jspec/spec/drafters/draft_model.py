@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
 from jspec.models.llama import forward
-from jspec.spec.drafters.base import Proposal, sample_chain
+from jspec.spec.drafters.base import Proposal, draft_vocab_logits, sample_chain
 from jspec.state import GenState, step_keys
 
 SALT_DRAFT = 200
@@ -34,18 +34,39 @@ class DraftModelState:
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter:
+    """``drafter_params`` is the draft's parameter pytree, or with ``draft_vocab`` a dict
+    ``{"model": params, "lm_head": [V', H], "vocab_ids": int32 [V']}`` whose LM head covers only
+    a draft vocabulary (see :func:`jspec.spec.drafters.base.draft_vocab_logits`)."""
+
     k: int
     config: ModelConfig  # the draft's
     attention: str = "reference"
+    draft_vocab: bool = False
 
-    def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config):
+    def _model(self, dparams):
+        return dparams["model"] if self.draft_vocab else dparams
+
+    def _forward(self, dparams, tokens, cache, q_lens, row):
+        """Draft forward; logits [B, V] of row ``row`` [B] (full vocabulary, -inf outside the
+        draft vocabulary)."""
+        out = forward(self._model(dparams), self.config, tokens, cache, q_lens, attention=self.attention,
+                      compute_logits=not self.draft_vocab)
+        if self.draft_vocab:
+            h = jnp.take_along_axis(out.hidden, row[:, None, None], axis=1)[:, 0]
+            logits = draft_vocab_logits(h, dparams["lm_head"], dparams["vocab_ids"], self.config.vocab_size)
+        else:
+            logits = jnp.take_along_axis(out.logits, row[:, None, None], axis=1)[:, 0]
+        return logits, out.cache
+
+    def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config,
+             prefill_hidden=None):
         from jspec.generation import prefill
 
         c = self.config
         tc = state.cache
         cache = init_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.copy(tc.block_tables), tc.num_pages,
                            tc.page_size, jnp.dtype(c.dtype))
-        cache = prefill(drafter_params, c, tokens, prompt_lens, cache, cache_config, self.attention)
+        cache = prefill(self._model(drafter_params), c, tokens, prompt_lens, cache, cache_config, self.attention)
         return DraftModelState(cache)
 
     def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
@@ -54,18 +75,17 @@ class DraftModelDrafter:
         pending = state.seq_lens - cache.lengths  # 1 or 2 tokens the draft has not seen
         idx = jnp.minimum(cache.lengths[:, None] + jnp.arange(2)[None, :], state.tokens.shape[1] - 1)
         inp = jnp.take_along_axis(state.tokens, idx, axis=1)  # [B, 2]
-        out = forward(drafter_params, self.config, inp, cache, jnp.where(running, pending, 0),
-                      attention=self.attention)
-        first = jnp.take_along_axis(out.logits, (pending - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+        first, cache = self._forward(drafter_params, inp, cache, jnp.where(running, pending, 0),
+                                     jnp.maximum(pending - 1, 0))  # logits of d_1 [B, V]
         one = running.astype(jnp.int32)
+        zero = jnp.zeros_like(one)
 
         def step(tok, c):
-            o = forward(drafter_params, self.config, tok, c, one, attention=self.attention)
-            return o.logits[:, -1], o.cache
+            return self._forward(drafter_params, tok, c, one, zero)
 
-        drafts, q, cache = sample_chain(step, out.cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
+        drafts, q, cache = sample_chain(step, cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
         return Proposal(drafts, q, DraftModelState(cache), state.cache)
 
-    def observe(self, drafter_params, target_params, state: GenState, verify_hidden, num_accepted):
+    def observe(self, drafter_params, target_params, prev_state, state: GenState, verify_hidden, num_accepted):
         cache = state.drafter.cache
         return DraftModelState(cache.replace(lengths=jnp.minimum(cache.lengths, state.seq_lens - 1)))
