@@ -20,7 +20,7 @@ from jspec.errors import (
     UnsupportedModelError,
 )
 from jspec.generation import GenerationResult, generate
-from jspec.loading import DEFAULT_MODEL, LoadedModel, load_model
+from jspec.loading import DEFAULT_MODEL, LoadedModel, load_config, load_model
 
 __version__ = "0.1.0"
 
@@ -28,5 +28,5 @@ __all__ = [
     "CacheConfig", "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "DraftMismatchError", "JspecError",
     "PromptError", "UnsupportedModelError", "GenerationResult", "generate", "DEFAULT_MODEL",
-    "LoadedModel", "load_model", "__version__",
+    "LoadedModel", "load_config", "load_model", "__version__",
 ]

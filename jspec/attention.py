@@ -27,10 +27,14 @@ def resolve(impl: str = "auto", backend: str | None = None) -> str:
     """Map ``auto`` to a concrete implementation for ``backend`` (default: jax's default)."""
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    backend = backend or jax.default_backend()
+    on_gpu = backend in ("gpu", "cuda", "rocm")
+    if impl == "pallas" and not on_gpu:
+        raise ConfigError(f"attention 'pallas' compiles for a GPU and the backend is {backend!r}; "
+                          "use 'reference' (or 'interpret' to run the kernel in interpret mode)")
     if impl != "auto":
         return impl
-    backend = backend or jax.default_backend()
-    return "pallas" if backend in ("gpu", "cuda", "rocm") else "reference"
+    return "pallas" if on_gpu else "reference"
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,7 +50,13 @@ class GenerationResult:
     tokens_per_second: float  # num_tokens / total_s
     num_target_forwards: int  # decode-loop iterations (each is one target forward)
     mean_accepted_length: Optional[float]  # new tokens per target forward per sequence (bonus included)
-    acceptance_per_position: Optional[list[float]]  # P(draft j accepted | draft j proposed), j = 0..k-1
+    # acceptance_per_position[j] = P(draft j+1 accepted | it was proposed): since a draft is only
+    # accepted after all earlier ones were, this is the chance the first j+1 drafts all survive
+    # (~ a^(j+1) for a per-token acceptance a), not a conditional per-position rate.
+    acceptance_per_position: Optional[list[float]]
+    accepted_counts: Optional[list[int]] = None  # sequence-steps in which draft j+1 was accepted
+    proposed_counts: Optional[list[int]] = None  # sequence-steps in which draft j+1 was proposed
+    sequence_steps: int = 0  # sum over decode steps of the sequences still running
     spec_method: str = "none"
     num_speculative_tokens: int = 0
 
@@ -298,4 +304,6 @@ def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, met
         finish_reasons=["eos" if e else "length" for e in eos_hit], num_tokens=n, ttft_s=ttft,
         total_s=total, compile_s=compile_s, tokens_per_second=n / total if total > 0 else 0.0,
         num_target_forwards=int(steps), mean_accepted_length=mean_acc, acceptance_per_position=acc_pos,
+        accepted_counts=[int(a) for a in accepted[:k]] if method else None,
+        proposed_counts=[int(p) for p in proposed[:k]] if method else None, sequence_steps=int(active),
         spec_method=method or "none", num_speculative_tokens=k)

@@ -103,3 +103,12 @@ def test_the_check_catches_a_biased_rule():
     sp = SamplingParams(temperature=1.0)
     p, q = _random_pq(1, sp)
     assert emitted_token_check(biased_rejection_sample, p, q) > 8.0
+
+
+def test_expected_accepted_length_formula():
+    from jspec.spec.acceptance import expected_accepted_length
+
+    assert expected_accepted_length(0.0, 4) == 1.0
+    assert expected_accepted_length(1.0, 4) == 5.0
+    a, k = 0.6, 4
+    assert abs(expected_accepted_length(a, k) - (1 - a ** (k + 1)) / (1 - a)) < 1e-12

@@ -85,3 +85,9 @@ def rejection_sample(
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
     nxt = jax.vmap(sample_from_probs)(r_keys, residual)
     return n.astype(jnp.int32), nxt
+
+
+def expected_accepted_length(a: float, k: int) -> float:
+    """Tokens per verification step for per-token acceptance ``a`` and ``k`` drafts, bonus
+    included: E = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) (Leviathan et al., eq. 1)."""
+    return float(sum(a**j for j in range(k + 1)))
