@@ -74,6 +74,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; checkpoints are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
