@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import subprocess
 import time
 
@@ -23,18 +22,9 @@ def humaneval_prompts(start: int = 0, count: int = 10) -> list[str]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import jax
+    from jspec.timing import describe_machine
 
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__} "
-            f"({jax.default_backend()}), {datetime.date.today().isoformat()}")
+    return f"{describe_machine()}, {datetime.date.today().isoformat()}"
 
 
 def git_rev() -> str:

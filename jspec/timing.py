@@ -66,3 +66,22 @@ class Stopwatch:
     def elapsed(self) -> float:
         now = time.perf_counter()
         return max(0.0, (now - self.t0) - compile_seconds(self.t0, now))
+
+
+def describe_machine() -> str:
+    """CPU model, core count, Python and jax versions, backend: the line benchmarks record."""
+    import os
+    import platform
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    devices = ", ".join(sorted({getattr(d, "device_kind", d.platform) for d in jax.devices()}))
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__} "
+            f"({jax.default_backend()}: {devices})")

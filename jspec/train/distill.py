@@ -29,6 +29,7 @@ from jspec.errors import ConfigError
 from jspec.models.llama import output_embedding
 from jspec.train import checkpoint as ckpt
 from jspec.train.data import DraftData, add_target_features, draft_vocabulary, generate_sequences, stdlib_prompts
+from jspec.timing import describe_machine
 from jspec.train.trainer import TrainConfig, train
 
 ARCHS = ("small-llama", "eagle")
@@ -136,7 +137,7 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
                      "learning_rate": dc.train.learning_rate, "optimizer": "adamw, warmup-cosine, clip 0.5",
                      "final_metrics": {k: round(float(np.mean([h[k] for h in tail])), 4)
                                        for k in (tail[0] if tail else {}) if k != "step"},
-                     "wall_seconds": round(time.time() - started, 1), "machine": _machine(),
+                     "wall_seconds": round(time.time() - started, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
     }
     if dc.arch == "eagle":
@@ -185,20 +186,5 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
                                   "acceptance_per_position": [round(float(a), 3) for a in acc],
                                   "speedup_vs_autoregressive": round((tok / sec) / (base_tok / base_s), 3)}
         say(f"k={k}: mean accepted length {tok / fw:.2f}, speedup {(tok / sec) / (base_tok / base_s):.2f}x")
-    result["machine"] = _machine()
+    result["machine"] = describe_machine()
     return result
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{jax.default_backend()}: {cpu}, {os.cpu_count()} cores, jax {jax.__version__}"
