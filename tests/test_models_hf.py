@@ -87,3 +87,31 @@ def test_hf_export_roundtrip(tiny_hf_llama, tmp_path):
     again = params_from_hf(model.config, tensors.get)
     for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sharded_safetensors_with_index(tiny_hf_llama, tmp_path):
+    """A checkpoint split over two shards plus model.safetensors.index.json loads the same."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "sharded"
+    shutil.copytree(tiny_hf_llama, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate([names[:half], names[half:]]):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(d / fname))
+        weight_map.update({n: fname for n in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a = jspec.load_model(str(tiny_hf_llama), tokenizer=False)
+    b = jspec.load_model(str(d), tokenizer=False)
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(jspec.CheckpointError, match="missing"):
+        jspec.load_model(str(d), tokenizer=False)
