@@ -88,6 +88,11 @@ def main():
             totals[name]["seconds"] += sec
         print(f"prompt {i}: done", flush=True)
 
+    # Draft vs verify time per step, each part timed apart on the first prompt's state.
+    from jspec.spec.profile import profile_step
+
+    parts = {name: profile_step(model, ids[0], spec) for name, spec in methods if spec.enabled}
+
     base = totals["jspec autoregressive"]["tokens"] / totals["jspec autoregressive"]["seconds"]
     hf_rates = {n: totals[n]["tokens"] / totals[n]["seconds"] for n, _ in hf_methods}
     rows = []
@@ -101,11 +106,13 @@ def main():
                 row["acceptance per position"] = "[" + ", ".join(
                     f"{sum(a[j] for a in t['acc']) / len(t['acc']):.2f}" for j in range(k)) + "]"
             row["greedy = AR"] = f"{len(ids) - mismatches[name]}/{len(ids)}"
+            p = parts[name]
+            row["draft / verify / plain step ms"] = f"{p.draft_ms:.1f} / {p.verify_ms:.1f} / {p.plain_step_ms:.1f}"
         if "transformers prompt lookup (10)" in hf_rates:
             row["vs transformers PLD"] = f"{rate / hf_rates['transformers prompt lookup (10)']:.2f}x"
         rows.append(row)
     cols = ["method", "tok/s", "speedup vs jspec AR", "vs transformers PLD", "mean accepted length",
-            "acceptance per position", "greedy = AR"]
+            "acceptance per position", "draft / verify / plain step ms", "greedy = AR"]
     print(f"\nmachine: {common.machine()}, git {common.git_rev()}")
     print(f"SmolLM2-135M-Instruct (float32), greedy, batch 1, up to {args.max_new_tokens} new tokens, "
           f"HumanEval problems {args.start}..{args.start + len(ids) - 1}\n")

@@ -220,6 +220,62 @@ def init_state(config: ModelConfig, prompts: list[list[int]], sampling: Sampling
     return state, tokens
 
 
+@dataclasses.dataclass
+class Run:
+    """One generate() call after set-up: the step to loop and the state before prefill."""
+
+    step: Callable  # PlainStep or SpecStep (hashable: a static argument of the jitted loop)
+    drafter: Any
+    drafter_params: Any
+    state: GenState
+    tokens: np.ndarray  # int32 [B, N] host copy of the token buffer
+    prompt_lens: np.ndarray  # int32 [B]
+    k: int
+    method: Optional[str]
+    attention: str
+
+
+def setup(model, prompts, sampling: SamplingParams, *, spec: SpecConfig = SpecConfig(), drafter=None,
+          drafter_params=None, cache_config: CacheConfig = CacheConfig(), attention: str = "auto",
+          chat: bool = False, seeds: Optional[Sequence[int]] = None) -> Run:
+    """Validate, tokenize, build the drafter and allocate the state (nothing runs yet)."""
+    config = model.config
+    attention = attention_lib.resolve(attention)
+    ids = encode_prompts(model.tokenizer, prompts, chat)
+    _check_prompts(ids, config, sampling.max_new_tokens)
+    eos = () if sampling.ignore_eos else tuple(config.eos_token_ids)
+    if drafter is None and spec.enabled:
+        from jspec.spec.drafters import make_drafter
+
+        drafter, drafter_params = make_drafter(spec, model, attention)
+    k = drafter.k if drafter is not None else 0
+    state, tokens = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
+    if drafter is not None:
+        from jspec.spec.step import SpecStep
+
+        step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
+        method = spec.method if spec.enabled else type(drafter).__name__
+    else:
+        step, drafter_params, method = PlainStep(config, sampling.logits_key(), eos, attention), None, None
+    return Run(step, drafter, drafter_params, state, tokens, np.asarray([len(p) for p in ids], np.int32), k,
+               method, attention)
+
+
+def prefill_and_init(model, run: Run, cache_config: CacheConfig) -> GenState:
+    """Prefill the target (and the drafter) and return the state ready for the first step."""
+    needs_hidden = getattr(run.drafter, "needs_prefill_hidden", False)
+    out = prefill(model.params, model.config, run.tokens, run.prompt_lens, run.state.cache, cache_config,
+                  run.attention, return_hidden=needs_hidden)
+    cache, hidden = out if needs_hidden else (out, None)
+    state = run.state.replace(cache=cache)
+    if run.drafter is not None:
+        state = state.replace(drafter=run.drafter.init(model.params, run.drafter_params, run.tokens,
+                                                       run.prompt_lens, state, cache_config, hidden))
+    # Wait for prefill before the decode loop compiles: a compilation overlapping device work
+    # would hide that work from the timing (compile time is subtracted).
+    return jax.block_until_ready(state)
+
+
 # ----------------------------------------------------------------------------- front door
 
 def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams = SamplingParams(), *,
@@ -235,48 +291,20 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
     with its ``drafter_params`` replaces the one ``spec`` names. ``on_tokens`` receives, after each burst of
     ``stream_interval`` steps, the new tokens of every sequence since the last call.
     """
-    config, params, tokenizer = model.config, model.params, model.tokenizer
-    attention = attention_lib.resolve(attention)
-    ids = encode_prompts(tokenizer, prompts, chat)
-    _check_prompts(ids, config, sampling.max_new_tokens)
-    eos = () if sampling.ignore_eos else tuple(config.eos_token_ids)
-
-    if drafter is None and spec.enabled:
-        from jspec.spec.drafters import make_drafter
-
-        drafter, drafter_params = make_drafter(spec, model, attention)
-    k = drafter.k if drafter is not None else 0
-    state, tokens_np = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
-    if drafter is not None:
-        from jspec.spec.step import SpecStep
-
-        step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
-    else:
-        step = PlainStep(config, sampling.logits_key(), eos, attention)
-        drafter_params = None
-
-    prompt_lens = np.asarray([len(p) for p in ids], np.int32)
+    run = setup(model, prompts, sampling, spec=spec, drafter=drafter, drafter_params=drafter_params,
+                cache_config=cache_config, attention=attention, chat=chat, seeds=seeds)
+    params, step, drafter_params, prompt_lens = model.params, run.step, run.drafter_params, run.prompt_lens
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
-    needs_hidden = getattr(drafter, "needs_prefill_hidden", False)
-    cache = prefill(params, config, tokens_np, prompt_lens, state.cache, cache_config, attention,
-                    return_hidden=needs_hidden)
-    cache, hidden = cache if needs_hidden else (cache, None)
-    state = state.replace(cache=cache)
-    if drafter is not None:
-        state = state.replace(drafter=drafter.init(params, drafter_params, tokens_np, prompt_lens, state,
-                                                   cache_config, hidden))
-    # Wait for prefill before the decode loop compiles: a compilation overlapping device work
-    # would hide that work from the timing (compile time is subtracted).
-    jax.block_until_ready(state)
+    state = prefill_and_init(model, run, cache_config)
     state = _burst_jit(step, params, drafter_params, state, jnp.int32(1))
     seq_lens = np.asarray(jax.device_get(state.seq_lens))
     ttft = watch.elapsed()
-    emitted = [0] * len(ids)
+    emitted = [0] * len(prompt_lens)
     limit = stream_interval if on_tokens is not None else sampling.max_new_tokens + 1
     while True:
         if on_tokens is not None:
             toks = np.asarray(jax.device_get(state.tokens))
-            new = [toks[i, prompt_lens[i] + emitted[i]:seq_lens[i]].tolist() for i in range(len(ids))]
+            new = [toks[i, prompt_lens[i] + emitted[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
             emitted = [e + len(n) for e, n in zip(emitted, new)]
             on_tokens(new)
         if bool(jax.device_get(jnp.all(state.done))):
@@ -284,8 +312,7 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
         state = _burst_jit(step, params, drafter_params, state, jnp.int32(limit))
         seq_lens = np.asarray(jax.device_get(state.seq_lens))
     total, compile_s = watch.elapsed(), watch.compile_s()
-    method = (spec.method if spec.enabled else type(drafter).__name__) if drafter is not None else None
-    return _result(state, prompt_lens.tolist(), tokenizer, ttft, total, compile_s, method, k)
+    return _result(state, prompt_lens.tolist(), model.tokenizer, ttft, total, compile_s, run.method, run.k)
 
 
 def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, method, k) -> GenerationResult:

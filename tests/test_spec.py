@@ -149,3 +149,12 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_hf_llama):
     target = jspec.load_model(str(tiny_hf_llama))
     with pytest.raises(jspec.DraftMismatchError, match="vocabulary"):
         jspec.generate(target, [[5, 6, 7]], SP, spec=jspec.SpecConfig("draft", 2, draft=str(other)))
+
+
+def test_profile_step_times_draft_and_verify(target):
+    from jspec.spec.profile import profile_step
+
+    prof = profile_step(target, PROMPTS[0], jspec.SpecConfig("layerskip", 3, layerskip_layers=2),
+                        jspec.SamplingParams(), warm_steps=2, repeats=2)
+    assert prof.k == 3 and prof.draft_ms > 0 and prof.verify_ms > 0 and prof.plain_step_ms > 0
+    assert prof.step_ms > 0 and "verify" in prof.summary()
