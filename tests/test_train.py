@@ -172,3 +172,15 @@ def test_small_llama_exports_to_transformers(trained, target, tmp_path):
                   attention="reference").logits[0]
     assert np.abs(np.asarray(got) - want).max() < 1e-4
     assert (out / "tokenizer.json").exists()
+
+
+def test_validation_keeps_the_best_parameters(target, tmp_path):
+    """With >= 20 sequences, 5% are held out; every checkpoint is scored on them and the card
+    records the scores; the saved draft is the best-scoring one."""
+    dc = DistillConfig(arch="eagle", prompts=24, max_prompt_tokens=300, max_new_tokens=8, draft_vocab=128,
+                       train=TrainConfig(steps=16, batch_size=4, learning_rate=3e-3, checkpoint_every=4,
+                                         warmup_steps=2))
+    card = run(target, "t", tmp_path / "v", dc, eval_prompts=0, say=lambda *a: None)
+    val = card["training"]["validation"]
+    assert val["sequences"] == 1 and sorted(val["top1_agreement_by_step"], key=int) == ["4", "8", "12", "16"]
+    assert (tmp_path / "v" / ".train" / "best.safetensors").exists()

@@ -18,7 +18,10 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft's head covers")
     d.add_argument("--draft-layers", type=int, default=2, help="small-llama: decoder layers")
     d.add_argument("--unroll", type=int, default=2, help="eagle: training depth on its own predicted features")
-    d.add_argument("--checkpoint-every", type=int, default=100)
+    d.add_argument("--checkpoint-every", type=int, default=100, help="steps between training-state saves "
+                   "(and validation: the best-scoring parameters are kept)")
+    d.add_argument("--weight-decay", type=float, default=0.01)
+    d.add_argument("--gen-batch-size", type=int, default=16, help="prompts per target generation batch")
     d.add_argument("--eval-prompts", type=int, default=10, help="held-out HumanEval prompts to measure (0: skip)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue from OUT/.train")
@@ -37,9 +40,10 @@ def cmd_distill(args) -> int:
     from jspec.train.trainer import TrainConfig
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                     checkpoint_every=args.checkpoint_every, seed=args.seed)
+                     checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed)
     dc = DistillConfig(arch=args.arch, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                       draft_vocab=args.draft_vocab, draft_layers=args.draft_layers, unroll=args.unroll, train=tc)
+                       draft_vocab=args.draft_vocab, draft_layers=args.draft_layers, unroll=args.unroll, train=tc,
+                       gen_batch_size=args.gen_batch_size)
     out = Path(args.out)
     if out.exists() and any(p.name != ".train" for p in out.iterdir()) and not args.resume:
         raise jspec.ConfigError(f"{out} already holds a checkpoint; pass --resume or choose another --out")

@@ -108,7 +108,7 @@ def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_si
                      np.asarray([len(x) for x in ids], np.int32))
 
 
-def add_target_features(target, data: DraftData, batch_size: int = 4,
+def add_target_features(target, data: DraftData, batch_size: int = 8,
                         progress: Optional[Callable[[int], None]] = None) -> DraftData:
     """Run the target over every sequence once: its final hidden state and greedy choice at
     each position (exactly what a verification pass computes there)."""

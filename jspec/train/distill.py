@@ -45,7 +45,8 @@ class DistillConfig:
     draft_layers: int = 2  # small-llama only
     unroll: int = 2  # eagle only
     train: TrainConfig = TrainConfig()
-    gen_batch_size: int = 8
+    gen_batch_size: int = 16
+    validation_fraction: float = 0.05  # sequences held out for early stopping
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -70,17 +71,39 @@ def build_data(target, dc: DistillConfig, path: Path, reuse: bool, say=print) ->
     return data
 
 
-def make_batches(data: DraftData, vocab_ids: np.ndarray, vocab_size: int, batch_size: int, seed: int):
-    """``batch_fn(step)``: a deterministic random batch for each step."""
+def split_validation(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices): a fixed random ``fraction`` of the sequences held out."""
+    order = np.random.default_rng([seed, 7]).permutation(n)
+    held = int(round(n * fraction)) if n >= 20 else 0
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+def _batch(data: DraftData, labels: np.ndarray, idx: np.ndarray) -> dict:
+    width = int(data.lengths[idx].max())
+    return {"tokens": jnp.asarray(data.tokens[idx, :width]), "lengths": jnp.asarray(data.lengths[idx]),
+            "features": jnp.asarray(data.features[idx, :width]), "labels": jnp.asarray(labels[idx, :width])}
+
+
+def draft_labels(data: DraftData, vocab_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The target's choice at each position as an index into the draft vocabulary (-1: outside)."""
     to_draft = np.full((vocab_size,), -1, np.int32)
     to_draft[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
-    labels = to_draft[data.argmax]
+    return to_draft[data.argmax]
+
+
+def make_batches(data: DraftData, vocab_ids: np.ndarray, vocab_size: int, batch_size: int, seed: int,
+                 pool: Optional[np.ndarray] = None):
+    """``batch_fn(step)``: a deterministic random batch of sequences from ``pool`` for each step."""
+    labels = draft_labels(data, vocab_ids, vocab_size)
+    pool = np.arange(len(data.lengths)) if pool is None else pool
     width = int(data.lengths.max())
 
     def batch_fn(step: int):
-        idx = np.random.default_rng([seed, step]).choice(len(data.lengths), batch_size, replace=False)
-        return {"tokens": jnp.asarray(data.tokens[idx, :width]), "lengths": jnp.asarray(data.lengths[idx]),
-                "features": jnp.asarray(data.features[idx, :width]), "labels": jnp.asarray(labels[idx, :width])}
+        idx = np.random.default_rng([seed, step]).choice(pool, batch_size, replace=False)
+        b = _batch(data, labels, idx)
+        pad = width - b["tokens"].shape[1]  # one shape for every step: one compilation
+        return {k: (jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2)) if v.ndim >= 2 else v)
+                for k, v in b.items()}
 
     return batch_fn
 
@@ -109,7 +132,9 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     vocab_ids = draft_vocabulary(data, dc.draft_vocab, always=tuple(target.config.eos_token_ids))
     rows = output_embedding(target.params, target.config)
     frozen = {"embedding": target.params["embed_tokens"]["embedding"], "lm_head": jnp.take(rows, vocab_ids, axis=0)}
-    batch_fn = make_batches(data, vocab_ids, target.config.vocab_size, dc.train.batch_size, dc.train.seed)
+    train_idx, val_idx = split_validation(len(data.lengths), dc.validation_fraction, dc.train.seed)
+    batch_fn = make_batches(data, vocab_ids, target.config.vocab_size, dc.train.batch_size, dc.train.seed,
+                            pool=train_idx)
     meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
     if dc.arch == "eagle":
         trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params)
@@ -118,8 +143,18 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     else:
         draft_cfg, trainable, picks = small_llama_init(target, dc.draft_layers)
         loss = distill_loss(draft_cfg)
+    validate = None
+    if len(val_idx):
+        labels = draft_labels(data, vocab_ids, target.config.vocab_size)
+        val_batches = [_batch(data, labels, val_idx[i:i + dc.train.batch_size])
+                       for i in range(0, len(val_idx), dc.train.batch_size)]
+        val_loss = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])
+
+        def validate(params):  # held-out top-1 agreement with the target: the early-stopping score
+            return float(np.mean([val_loss(params, b) for b in val_batches]))
+
     trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
-                               resume=resume, meta=meta)
+                               resume=resume, meta=meta, validate=validate)
     mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
     covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
     tail = history[-min(20, len(history)):] if history else []
@@ -136,7 +171,10 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
         "training": {"steps": dc.train.steps, "batch_size": dc.train.batch_size,
                      "learning_rate": dc.train.learning_rate, "optimizer": "adamw, warmup-cosine, clip 0.5",
                      "final_metrics": {k: round(float(np.mean([h[k] for h in tail])), 4)
-                                       for k in (tail[0] if tail else {}) if k != "step"},
+                                       for k in (tail[0] if tail else {}) if k not in ("step", "validation")},
+                     "validation": {"sequences": int(len(val_idx)),
+                                    "top1_agreement_by_step": {str(h["step"]): round(h["validation"], 4)
+                                                               for h in history if "validation" in h}},
                      "wall_seconds": round(time.time() - started, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
     }

@@ -77,6 +77,8 @@ def load_state(state_dir: Path, params, opt_state, meta: dict):
 
     info = json.loads((state_dir / "state.json").read_text())
     for key, value in meta.items():
+        if key == "best_score":
+            continue
         if info.get(key) != value:
             raise CheckpointError(f"{state_dir}: cannot resume, {key} was {info.get(key)!r}, now {value!r}")
     params = _restore(params, load_tensors(state_dir / "params.safetensors"), "parameter")
@@ -86,14 +88,27 @@ def load_state(state_dir: Path, params, opt_state, meta: dict):
 
 def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], tc: TrainConfig, *,
           state_dir: Optional[Path] = None, resume: bool = False, meta: Optional[dict] = None,
-          progress: bool = True, log: Optional[Callable[[int, dict], None]] = None):
-    """Optimize ``trainable``; returns (trainable, history of per-step metric dicts)."""
+          progress: bool = True, log: Optional[Callable[[int, dict], None]] = None,
+          validate: Optional[Callable[[Any], float]] = None):
+    """Optimize ``trainable``; returns (trainable, history of per-step metric dicts).
+
+    With ``validate(params) -> score`` (higher is better), the parameters are scored at every
+    checkpoint and the best-scoring ones are returned (early stopping on held-out data); the
+    scores are in the history as ``validation``.
+    """
     opt = tc.optimizer()
     opt_state = opt.init(trainable)
     meta = dict(meta or {}, steps=tc.steps, batch_size=tc.batch_size, seed=tc.seed)
     start = 0
+    best, best_score = trainable, float("-inf")
     if resume and state_dir is not None and (state_dir / "state.json").exists():
         start, trainable, opt_state = load_state(state_dir, trainable, opt_state, meta)
+        best = trainable
+        if validate is not None and (state_dir / "best.safetensors").exists():
+            from jspec.train.checkpoint import load_tensors
+
+            best = _restore(trainable, load_tensors(state_dir / "best.safetensors"), "best parameter")
+            best_score = float(json.loads((state_dir / "state.json").read_text()).get("best_score", "-inf"))
 
     @jax.jit
     def step_fn(params, opt_state, batch, key):
@@ -118,8 +133,19 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
         if log is not None:
             log(step + 1, metrics)
         done = step + 1
-        if state_dir is not None and (done % tc.checkpoint_every == 0 or done == tc.steps):
-            save_state(state_dir, done, trainable, opt_state, meta)
+        if done % tc.checkpoint_every == 0 or done == tc.steps:
+            if validate is not None:
+                score = float(validate(trainable))
+                history[-1]["validation"] = score
+                if score > best_score:
+                    best, best_score = trainable, score
+                    if state_dir is not None:
+                        from jspec.train.checkpoint import save_tensors
+
+                        save_tensors(state_dir / "best.safetensors", _flat_with_paths(best))
+            if state_dir is not None:
+                save_state(state_dir, done, trainable, opt_state, dict(meta, best_score=best_score)
+                           if validate is not None else meta)
     if bar is not None:
         bar.close()
-    return trainable, history
+    return (best if validate is not None else trainable), history
