@@ -11,7 +11,6 @@ of them; speedups are ratios of summed tokens over summed seconds.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import common

@@ -12,15 +12,14 @@
    token; the rest runs in one call, or in bursts of ``stream_interval`` steps when the caller
    streams tokens.
 
-Compilation is done ahead of time (``jit(...).lower(...).compile()``) and reported apart from
-the timings.
+Compilation happens on the first call of each jitted function; its time (from
+``jax.monitoring``, see :mod:`jspec.timing`) is reported apart and subtracted from the timings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax

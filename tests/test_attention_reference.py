@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import dense_causal_attention
-from jspec.cache import PageAllocator, init_cache, write_kv
+from jspec.cache import PageAllocator, write_kv
 from pallas_kernels import paged_verify_attention_reference
 
 

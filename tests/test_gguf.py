@@ -118,7 +118,7 @@ def test_gguf_dequantizes_and_unpermutes(tmp_path, hf_dir, qtype):
         assert mine.config.num_layers == ref.config.num_layers and mine.config.eos_token_ids == (1,)
         import jax
 
-        for a, b in zip(jax.tree_util.tree_leaves(ref.params), jax.tree_util.tree_leaves(mine.params)):
+        for a, b in zip(jax.tree_util.tree_leaves(ref.params), jax.tree_util.tree_leaves(mine.params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -85,7 +85,7 @@ def test_hf_export_roundtrip(tiny_hf_llama, tmp_path):
     model = jspec.load_model(str(tiny_hf_llama))
     tensors = params_to_hf(model.config, model.params)
     again = params_from_hf(model.config, tensors.get)
-    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again)):
+    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -110,7 +110,7 @@ def test_sharded_safetensors_with_index(tiny_hf_llama, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     a = jspec.load_model(str(tiny_hf_llama), tokenizer=False)
     b = jspec.load_model(str(d), tokenizer=False)
-    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(jspec.CheckpointError, match="missing"):

@@ -76,7 +76,7 @@ def test_eagle_round_trip_is_exact(trained, target, tmp_path):
     params = ckpt.load_eagle(str(path), target)
     ckpt.save_eagle(tmp_path / "copy", params["head"], params["vocab_ids"], ckpt.read_card(path))
     again = ckpt.load_eagle(str(tmp_path / "copy"), target)
-    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again)):
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -86,7 +86,7 @@ def test_small_llama_round_trip_is_exact(trained, target, tmp_path):
     ckpt.save_small_llama(tmp_path / "copy", draft.config, draft.params, vocab, ckpt.read_card(path))
     again, vocab2 = ckpt.load_draft(str(tmp_path / "copy"), target)
     np.testing.assert_array_equal(np.asarray(vocab), np.asarray(vocab2))
-    for a, b in zip(jax.tree_util.tree_leaves(draft.params), jax.tree_util.tree_leaves(again.params)):
+    for a, b in zip(jax.tree_util.tree_leaves(draft.params), jax.tree_util.tree_leaves(again.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -147,7 +147,7 @@ def test_resume_continues_exactly(target, tmp_path, monkeypatch):
     run(target, "t", tmp_path / "resumed", _dc("eagle", steps=12), resume=True, **quiet)
     a = ckpt.load_eagle(str(tmp_path / "full"), target)["head"]
     b = ckpt.load_eagle(str(tmp_path / "resumed"), target)["head"]
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(jspec.CheckpointError, match="cannot resume"):
         run(target, "t", tmp_path / "resumed", _dc("eagle", steps=20), resume=True, **quiet)

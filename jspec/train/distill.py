@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.config import ModelConfig
 from jspec.errors import ConfigError
 from jspec.models.llama import output_embedding
 from jspec.train import checkpoint as ckpt
