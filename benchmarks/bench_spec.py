@@ -54,9 +54,15 @@ def main():
                                          ("transformers prompt lookup (10)", {"prompt_lookup_num_tokens": 10})]
     draft_hf = ROOT / "checkpoints" / "smollm2-135m-draft"
     if hf is not None and (draft_hf / "config.json").exists():
+        import tempfile
+
         from transformers import AutoModelForCausalLM
 
-        assistant = AutoModelForCausalLM.from_pretrained(str(draft_hf)).eval()
+        from jspec.train.checkpoint import export_hf
+
+        # The shipped draft leaves out the embedding it shares with the target; the export adds it.
+        exported = export_hf(draft_hf, model, Path(tempfile.mkdtemp(prefix="jspec-draft-hf-")))
+        assistant = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
         hf_methods.append(("transformers assisted (shipped draft)", {"assistant_model": assistant}))
 
     # Warm-up: compile every jspec configuration once, run each transformers method once.

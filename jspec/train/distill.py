@@ -58,7 +58,7 @@ def build_data(target, dc: DistillConfig, path: Path, reuse: bool, say=print) ->
     if reuse and path.exists():
         say(f"reusing training data {path}")
         return DraftData.load(path)
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
 
     prompts = [p for p in stdlib_prompts(dc.prompts * 2, seed=dc.train.seed)
                if len(target.tokenizer(p)["input_ids"]) <= dc.max_prompt_tokens][:dc.prompts]

@@ -119,7 +119,7 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
     history = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, tc.steps):
