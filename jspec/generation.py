@@ -151,6 +151,9 @@ def _check_prompts(ids: list[list[int]], config: ModelConfig, max_new: int) -> N
                 f"model's context of {config.max_position_embeddings} tokens")
 
 
+SHAPE_QUANTUM = 128  # tokens: the granularity of the token buffer and of each sequence's pages
+
+
 def _bucket(n: int, lo: int = 16) -> int:
     """Round up to a power of two (fewer distinct shapes, fewer compilations)."""
     return max(lo, 1 << max(0, (n - 1).bit_length()))
@@ -195,14 +198,17 @@ def init_state(config: ModelConfig, prompts: list[list[int]], sampling: Sampling
     b = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts], np.int32)
     max_lens = prompt_lens + sampling.max_new_tokens
-    width = int(max_lens.max()) + slack + 1
+    # Shapes are rounded up to SHAPE_QUANTUM tokens so that prompts of similar length share one
+    # compiled decode loop (otherwise every new prompt length recompiles it).
+    ps = cache_config.page_size
+    quantum = max(SHAPE_QUANTUM, ps)
+    width = -(-(int(max_lens.max()) + slack + 1) // quantum) * quantum
     tokens = np.zeros((b, width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     need = [int(n) + slack for n in max_lens]
-    ps = cache_config.page_size
-    pages_per_seq = max(-(-n // ps) for n in need)
-    num_pages = sum(-(-n // ps) for n in need)
+    pages_per_seq = width // ps
+    num_pages = b * pages_per_seq
     alloc = PageAllocator(num_pages, ps, shuffle_seed=sampling.seed if cache_config.shuffle_pages else None)
     tables = alloc.block_tables(need, pages_per_seq)
     cache = init_cache(config.num_layers, config.num_kv_heads, config.head_dim, tables, num_pages, ps,

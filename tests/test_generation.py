@@ -102,3 +102,13 @@ def test_gqa_and_tied_variants_run(model):
         m = tiny_model(cfg, scale=4.0)
         out = jspec.generate(m, PROMPTS[:2], jspec.SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert out.token_ids[0] == naive_greedy(m, PROMPTS[0], 6)
+
+
+@pytest.mark.parametrize("spec", [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3)])
+def test_a_new_prompt_length_reuses_the_compiled_loop(model, spec):
+    """Shapes are bucketed: after one call, a prompt of another length (same bucket) compiles nothing."""
+    sp = jspec.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    jspec.generate(model, [[5, 9]], sp, spec=spec)
+    again = jspec.generate(model, [list(range(11, 28))], sp, spec=spec)  # 17 tokens: same prefill chunk
+    assert again.compile_s == 0.0
+    assert again.num_tokens == 4
