@@ -84,3 +84,26 @@ def test_cli_json_on_the_default_model(capsys, smollm2, monkeypatch):
     plain = jspec.generate(smollm2, ["def add(a, b):"], jspec.SamplingParams(max_new_tokens=16))
     assert last["token_ids"] == plain.token_ids[0]
     assert "tokens/s" in err
+
+
+SHIPPED = [("eagle", "smollm2-135m-eagle"), ("draft", "smollm2-135m-draft")]
+
+
+@pytest.mark.parametrize("method,name", SHIPPED)
+def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
+    """The drafts in checkpoints/ name this GGUF's weights in their cards, load, stay lossless,
+    and accept drafts on a held-out HumanEval prompt."""
+    from pathlib import Path
+
+    from jspec.train.checkpoint import read_card
+
+    path = Path(__file__).resolve().parents[1] / "checkpoints" / name
+    card = read_card(path)
+    assert card["target"]["weights_sha256"] == smollm2.weights_hash()
+    assert sum(p.stat().st_size for p in path.iterdir() if p.is_file()) <= 32e6
+    prompt = "def below_zero(operations: list) -> bool:\n    \"\"\"Return True if the balance ever falls below zero.\"\"\"\n"
+    sp = jspec.SamplingParams(max_new_tokens=48)
+    plain = jspec.generate(smollm2, [prompt], sp)
+    out = jspec.generate(smollm2, [prompt], sp, spec=jspec.SpecConfig(method, 4, draft=name))
+    assert out.token_ids == plain.token_ids
+    assert out.mean_accepted_length > 1.2
