@@ -90,10 +90,10 @@ def draft_labels(data: DraftData, vocab_ids: np.ndarray, vocab_size: int) -> np.
     return to_draft[data.argmax]
 
 
-def make_batches(data: DraftData, vocab_ids: np.ndarray, vocab_size: int, batch_size: int, seed: int,
+def make_batches(data: DraftData, labels: np.ndarray, batch_size: int, seed: int,
                  pool: Optional[np.ndarray] = None):
-    """``batch_fn(step)``: a deterministic random batch of sequences from ``pool`` for each step."""
-    labels = draft_labels(data, vocab_ids, vocab_size)
+    """``batch_fn(step)``: a deterministic random batch of sequences from ``pool`` for each step
+    (``labels``: :func:`draft_labels` of ``data``)."""
     pool = np.arange(len(data.lengths)) if pool is None else pool
     width = int(data.lengths.max())
 
@@ -132,8 +132,8 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     rows = output_embedding(target.params, target.config)
     frozen = {"embedding": target.params["embed_tokens"]["embedding"], "lm_head": jnp.take(rows, vocab_ids, axis=0)}
     train_idx, val_idx = split_validation(len(data.lengths), dc.validation_fraction, dc.train.seed)
-    batch_fn = make_batches(data, vocab_ids, target.config.vocab_size, dc.train.batch_size, dc.train.seed,
-                            pool=train_idx)
+    labels = draft_labels(data, vocab_ids, target.config.vocab_size)
+    batch_fn = make_batches(data, labels, dc.train.batch_size, dc.train.seed, pool=train_idx)
     meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
     if dc.arch == "eagle":
         trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params)
@@ -144,7 +144,6 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
         loss = distill_loss(draft_cfg)
     validate = None
     if len(val_idx):
-        labels = draft_labels(data, vocab_ids, target.config.vocab_size)
         val_batches = [_batch(data, labels, val_idx[i:i + dc.train.batch_size])
                        for i in range(0, len(val_idx), dc.train.batch_size)]
         val_loss = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])

@@ -77,8 +77,6 @@ def load_state(state_dir: Path, params, opt_state, meta: dict):
 
     info = json.loads((state_dir / "state.json").read_text())
     for key, value in meta.items():
-        if key == "best_score":
-            continue
         if info.get(key) != value:
             raise CheckpointError(f"{state_dir}: cannot resume, {key} was {info.get(key)!r}, now {value!r}")
     params = _restore(params, load_tensors(state_dir / "params.safetensors"), "parameter")
