@@ -58,7 +58,7 @@ def main():
 
         from transformers import AutoModelForCausalLM
 
-        from jspec.train.checkpoint import export_hf
+        from jspec.loading.drafts import export_hf
 
         # The shipped draft leaves out the embedding it shares with the target; the export adds it.
         exported = export_hf(draft_hf, model, Path(tempfile.mkdtemp(prefix="jspec-draft-hf-")))
@@ -94,7 +94,7 @@ def main():
         print(f"prompt {i}: done", flush=True)
 
     # Draft vs verify time per step, each part timed apart on the first prompt's state.
-    from jspec.spec.profile import profile_step
+    from jspec.engine.profile import profile_step
 
     parts = {name: profile_step(model, ids[0], spec) for name, spec in methods if spec.enabled}
 

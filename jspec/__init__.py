@@ -19,7 +19,7 @@ from jspec.errors import (
     PromptError,
     UnsupportedModelError,
 )
-from jspec.generation import GenerationResult, generate
+from jspec.engine.generate import GenerationResult, generate
 from jspec.loading import DEFAULT_MODEL, LoadedModel, load_config, load_model
 
 __version__ = "0.1.0"

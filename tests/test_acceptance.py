@@ -9,7 +9,7 @@ import pytest
 
 from jspec.config import SamplingParams
 from jspec.sampling import probs
-from jspec.spec.acceptance import greedy_accept, rejection_sample
+from jspec.speculative.acceptance import greedy_accept, rejection_sample
 
 
 def _onehot_logits(rows, v=6):
@@ -106,7 +106,7 @@ def test_the_check_catches_a_biased_rule():
 
 
 def test_expected_accepted_length_formula():
-    from jspec.spec.acceptance import expected_accepted_length
+    from jspec.speculative.acceptance import expected_accepted_length
 
     assert expected_accepted_length(0.0, 4) == 1.0
     assert expected_accepted_length(1.0, 4) == 5.0

@@ -95,7 +95,7 @@ def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
     and accept drafts on a held-out HumanEval prompt."""
     from pathlib import Path
 
-    from jspec.train.checkpoint import read_card
+    from jspec.loading.drafts import read_card
 
     path = Path(__file__).resolve().parents[1] / "checkpoints" / name
     card = read_card(path)

@@ -10,7 +10,7 @@ import pytest
 
 import jspec
 from helpers import chi_square_check, tiny_config, tiny_model
-from jspec.spec.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 
 # Prompts with repeats (so n-gram lookup finds matches) and of different lengths.
 PROMPTS = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3, 17], [7, 7], [60, 61, 62, 63, 64, 65, 60, 61, 62], [30, 31, 32, 33, 34]]
@@ -152,7 +152,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_hf_llama):
 
 
 def test_profile_step_times_draft_and_verify(target):
-    from jspec.spec.profile import profile_step
+    from jspec.engine.profile import profile_step
 
     prof = profile_step(target, PROMPTS[0], jspec.SpecConfig("layerskip", 3, layerskip_layers=2),
                         jspec.SamplingParams(), warm_steps=2, repeats=2)

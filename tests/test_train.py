@@ -11,7 +11,7 @@ import torch
 
 import jspec
 from helpers import write_hf_checkpoint
-from jspec.train import checkpoint as ckpt
+from jspec.loading import drafts as ckpt
 from jspec.train.distill import DistillConfig, run
 from jspec.train.trainer import TrainConfig
 

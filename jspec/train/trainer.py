@@ -64,7 +64,7 @@ def _restore(template, flat: dict[str, np.ndarray], what: str):
 
 
 def save_state(state_dir: Path, step: int, params, opt_state, meta: dict) -> None:
-    from jspec.train.checkpoint import save_tensors, write_json
+    from jspec.loading.drafts import save_tensors, write_json
 
     save_tensors(state_dir / "params.safetensors", _flat_with_paths(params))
     save_tensors(state_dir / "opt_state.safetensors", _flat_with_paths(opt_state))
@@ -73,7 +73,7 @@ def save_state(state_dir: Path, step: int, params, opt_state, meta: dict) -> Non
 
 def load_state(state_dir: Path, params, opt_state, meta: dict):
     """(step, params, opt_state) from ``state_dir``; refuses a state of another run."""
-    from jspec.train.checkpoint import load_tensors
+    from jspec.loading.drafts import load_tensors
 
     info = json.loads((state_dir / "state.json").read_text())
     for key, value in meta.items():
@@ -103,7 +103,7 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
         start, trainable, opt_state = load_state(state_dir, trainable, opt_state, meta)
         best = trainable
         if validate is not None and (state_dir / "best.safetensors").exists():
-            from jspec.train.checkpoint import load_tensors
+            from jspec.loading.drafts import load_tensors
 
             best = _restore(trainable, load_tensors(state_dir / "best.safetensors"), "best parameter")
             best_score = float(json.loads((state_dir / "state.json").read_text()).get("best_score", "-inf"))
@@ -138,7 +138,7 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
                 if score > best_score:
                     best, best_score = trainable, score
                     if state_dir is not None:
-                        from jspec.train.checkpoint import save_tensors
+                        from jspec.loading.drafts import save_tensors
 
                         save_tensors(state_dir / "best.safetensors", _flat_with_paths(best))
             if state_dir is not None:

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
-from jspec.spec.drafters.base import Proposal
-from jspec.spec.drafters.draft_model import DraftModelDrafter
-from jspec.spec.drafters.layerskip import LayerSkipDrafter
-from jspec.spec.drafters.ngram import NgramDrafter
+from jspec.speculative.drafters.base import Proposal
+from jspec.speculative.drafters.draft_model import DraftModelDrafter
+from jspec.speculative.drafters.layerskip import LayerSkipDrafter
+from jspec.speculative.drafters.ngram import NgramDrafter
 
 
 def check_same_vocab(target, draft) -> None:
@@ -35,7 +35,7 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
             raise ConfigError(f"layerskip:L needs 1 <= L < {n} (the target's layers), got {spec.layerskip_layers}")
         return LayerSkipDrafter(k, target.config, spec.layerskip_layers, attention), None
     if spec.method == "draft":
-        from jspec.train.checkpoint import load_draft
+        from jspec.loading.drafts import load_draft
 
         draft, vocab_ids = load_draft(spec.draft, target)
         check_same_vocab(target, draft)
@@ -45,7 +45,7 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
         return (DraftModelDrafter(k, draft.config, attention, draft_vocab=True),
                 {"model": draft.params, "lm_head": head, "vocab_ids": vocab_ids})
     if spec.method == "eagle":
-        from jspec.spec.drafters.eagle import make_eagle_drafter
+        from jspec.speculative.drafters.eagle import make_eagle_drafter
 
         return make_eagle_drafter(spec, target, attention)
     raise ConfigError(f"no drafter for spec method {spec.method!r}")

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
 from jspec.models.llama import forward
-from jspec.spec.drafters.base import Proposal, draft_vocab_logits, sample_chain
-from jspec.state import GenState, step_keys
+from jspec.models.prefill import prefill
+from jspec.speculative.drafters.base import Proposal, draft_vocab_logits, sample_chain
+from jspec.speculative.state import GenState, step_keys
 
 SALT_DRAFT = 200
 
@@ -36,7 +37,7 @@ class DraftModelState:
 class DraftModelDrafter:
     """``drafter_params`` is the draft's parameter pytree, or with ``draft_vocab`` a dict
     ``{"model": params, "lm_head": [V', H], "vocab_ids": int32 [V']}`` whose LM head covers only
-    a draft vocabulary (see :func:`jspec.spec.drafters.base.draft_vocab_logits`)."""
+    a draft vocabulary (see :func:`jspec.speculative.drafters.base.draft_vocab_logits`)."""
 
     k: int
     config: ModelConfig  # the draft's
@@ -60,8 +61,6 @@ class DraftModelDrafter:
 
     def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config,
              prefill_hidden=None):
-        from jspec.generation import prefill
-
         c = self.config
         tc = state.cache
         cache = init_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.copy(tc.block_tables), tc.num_pages,

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
 from jspec.models.eagle import eagle_forward
-from jspec.spec.drafters.base import Proposal, draft_vocab_logits, sample_chain
-from jspec.state import GenState, last_tokens, step_keys
+from jspec.speculative.drafters.base import Proposal, draft_vocab_logits, sample_chain
+from jspec.speculative.state import GenState, last_tokens, step_keys
 
 SALT_DRAFT = 300
 
@@ -108,7 +108,7 @@ class EagleDrafter:
 
 def make_eagle_drafter(spec, target, attention: str = "reference"):
     """(EagleDrafter, drafter params) from a shipped or trained EAGLE checkpoint."""
-    from jspec.train.checkpoint import load_eagle
+    from jspec.loading.drafts import load_eagle
 
     params = load_eagle(spec.draft, target)
     return EagleDrafter(spec.num_speculative_tokens, target.config, attention), params

@@ -8,6 +8,7 @@ and change nothing.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,50 @@ import jax.numpy as jnp
 from jspec import sampling as sampling_lib
 from jspec.config import ModelConfig, SamplingParams
 from jspec.models.llama import forward
-from jspec.spec.acceptance import greedy_accept, rejection_sample
-from jspec.state import GenState, commit, last_tokens, step_keys
+from jspec.speculative.acceptance import greedy_accept, rejection_sample
+from jspec.speculative.state import GenState, commit, last_tokens, step_keys
 
 SALT_ACCEPT = 1  # step_keys salt of the acceptance draws (drafters use other salts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainStep:
+    """One token per target forward: the autoregressive baseline (hashable: a jit static arg)."""
+
+    config: ModelConfig
+    sampling: SamplingParams
+    eos_ids: tuple[int, ...]
+    attention: str
+
+    def __call__(self, params, drafter_params, state: GenState) -> GenState:
+        del drafter_params
+        q_lens = jnp.where(state.done, 0, 1).astype(jnp.int32)
+        out = forward(params, self.config, last_tokens(state), state.cache, q_lens,
+                      attention=self.attention)
+        keys = step_keys(state)
+        nxt = jax.vmap(lambda k, l: sampling_lib.sample(k, l, self.sampling))(keys, out.logits[:, 0])
+        state = state.replace(cache=out.cache, steps=state.steps + 1,
+                              active_steps=state.active_steps + jnp.sum(q_lens))
+        return commit(state, nxt[:, None], q_lens, self.eos_ids)
+
+
+def _burst(step: Callable, params, drafter_params, state: GenState, limit) -> GenState:
+    """Run ``step`` on the device until every sequence is done or ``limit`` steps ran."""
+
+    def cond(carry):
+        s, i = carry
+        return (i < limit) & ~jnp.all(s.done)
+
+    def body(carry):
+        s, i = carry
+        return step(params, drafter_params, s), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
+
+
+_burst_jit = jax.jit(_burst, static_argnums=0, donate_argnums=3)
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +68,7 @@ class SpecStep:
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
     attention: str
-    drafter: object  # a hashable drafter (see jspec.spec.drafters.base)
+    drafter: object  # a hashable drafter (see jspec.speculative.drafters.base)
 
     def __call__(self, params, drafter_params, state: GenState) -> GenState:
         k = self.drafter.k

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import CacheConfig, SamplingParams, SpecConfig
-from jspec.generation import PlainStep, _burst_jit, prefill_and_init, setup
+from jspec.engine.generate import prefill_and_init, setup
+from jspec.speculative.steps import PlainStep, _burst_jit
 
 
 @dataclasses.dataclass

@@ -15,8 +15,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.spec.drafters.base import Proposal, StatelessDrafter
-from jspec.state import GenState
+from jspec.speculative.drafters.base import Proposal, StatelessDrafter
+from jspec.speculative.state import GenState
 
 
 def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int):

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     try:
-        from jspec.train.cli import add_distill_parser
+        from jspec.cli.distill import add_distill_parser
     except ImportError:
         pass
     else:

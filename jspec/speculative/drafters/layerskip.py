@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.llama import forward
-from jspec.spec.drafters.base import Proposal, StatelessDrafter, sample_chain
-from jspec.state import GenState, last_tokens, step_keys
+from jspec.speculative.drafters.base import Proposal, StatelessDrafter, sample_chain
+from jspec.speculative.state import GenState, last_tokens, step_keys
 
 SALT_DRAFT = 100
 

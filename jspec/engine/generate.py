@@ -29,10 +29,12 @@ import numpy as np
 from jspec import attention as attention_lib
 from jspec import sampling as sampling_lib
 from jspec.cache import PageAllocator, init_cache
+from jspec.speculative.drafters import make_drafter
 from jspec.config import CacheConfig, ModelConfig, SamplingParams, SpecConfig
 from jspec.errors import ConfigError, PromptError
-from jspec.models.llama import forward
-from jspec.state import GenState, commit, last_tokens, step_keys
+from jspec.models.prefill import prefill
+from jspec.speculative.state import GenState
+from jspec.speculative.steps import PlainStep, SpecStep, _burst_jit
 from jspec.timing import Stopwatch
 
 
@@ -68,52 +70,6 @@ class GenerationResult:
                   f"{self.mean_accepted_length:.2f}, acceptance per position [{acc}], "
                   f"{self.num_target_forwards} target forwards")
         return s
-
-
-# ----------------------------------------------------------------------------- decode steps
-
-@dataclasses.dataclass(frozen=True)
-class PlainStep:
-    """One token per target forward: the autoregressive baseline (hashable: a jit static arg)."""
-
-    config: ModelConfig
-    sampling: SamplingParams
-    eos_ids: tuple[int, ...]
-    attention: str
-
-    def __call__(self, params, drafter_params, state: GenState) -> GenState:
-        del drafter_params
-        q_lens = jnp.where(state.done, 0, 1).astype(jnp.int32)
-        out = forward(params, self.config, last_tokens(state), state.cache, q_lens,
-                      attention=self.attention)
-        keys = step_keys(state)
-        nxt = jax.vmap(lambda k, l: sampling_lib.sample(k, l, self.sampling))(keys, out.logits[:, 0])
-        state = state.replace(cache=out.cache, steps=state.steps + 1,
-                              active_steps=state.active_steps + jnp.sum(q_lens))
-        return commit(state, nxt[:, None], q_lens, self.eos_ids)
-
-
-def _burst(step: Callable, params, drafter_params, state: GenState, limit) -> GenState:
-    """Run ``step`` on the device until every sequence is done or ``limit`` steps ran."""
-
-    def cond(carry):
-        s, i = carry
-        return (i < limit) & ~jnp.all(s.done)
-
-    def body(carry):
-        s, i = carry
-        return step(params, drafter_params, s), i + 1
-
-    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
-
-
-_burst_jit = jax.jit(_burst, static_argnums=0, donate_argnums=3)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=2)
-def _prefill_chunk(params, tokens, cache, q_lens, *, config, attention):
-    out = forward(params, config, tokens, cache, q_lens, attention=attention, compute_logits=False)
-    return out.cache, out.hidden
 
 
 # ----------------------------------------------------------------------------- setup
@@ -153,43 +109,6 @@ def _check_prompts(ids: list[list[int]], config: ModelConfig, max_new: int) -> N
 
 SHAPE_QUANTUM = 64  # tokens: granularity of the token buffer and of each sequence's pages (padding
 # costs ~3% per token in the reference attention; an exact fit would recompile per prompt length)
-
-
-def _bucket(n: int, lo: int = 16) -> int:
-    """Round up to a power of two (fewer distinct shapes, fewer compilations)."""
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
-
-
-def prefill_chunks(prompt_lens: np.ndarray, cache_config: CacheConfig) -> tuple[int, list[int]]:
-    """(chunk size, chunk starts) covering ``prompt[:-1]`` of every sequence."""
-    longest = int((prompt_lens - 1).max())
-    if longest == 0:
-        return 0, []
-    chunk = min(cache_config.prefill_chunk, _bucket(longest))
-    return chunk, list(range(0, longest, chunk))
-
-
-def prefill(params, config: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, cache,
-            cache_config: CacheConfig, attention: str, return_hidden: bool = False):
-    """Write ``prompt[:-1]`` of each sequence into ``cache`` in chunks; returns the cache, and
-    with ``return_hidden`` also the final hidden states [B, N, H] of those positions."""
-    todo = prompt_lens - 1
-    chunk, starts = prefill_chunks(prompt_lens, cache_config)
-    hidden = []
-    for start in starts:
-        piece = np.zeros((tokens.shape[0], chunk), np.int32)
-        width = min(chunk, tokens.shape[1] - start)
-        piece[:, :width] = tokens[:, start:start + width]
-        q_lens = np.clip(todo - start, 0, chunk).astype(np.int32)
-        cache, h = _prefill_chunk(params, jnp.asarray(piece), cache, jnp.asarray(q_lens),
-                                  config=config, attention=attention)
-        if return_hidden:
-            hidden.append(h)
-    if not return_hidden:
-        return cache
-    if not hidden:
-        return cache, jnp.zeros((tokens.shape[0], 0, config.hidden_size), jnp.dtype(config.dtype))
-    return cache, jnp.concatenate(hidden, axis=1)
 
 
 def init_state(config: ModelConfig, prompts: list[list[int]], sampling: SamplingParams,
@@ -251,14 +170,10 @@ def setup(model, prompts, sampling: SamplingParams, *, spec: SpecConfig = SpecCo
     _check_prompts(ids, config, sampling.max_new_tokens)
     eos = () if sampling.ignore_eos else tuple(config.eos_token_ids)
     if drafter is None and spec.enabled:
-        from jspec.spec.drafters import make_drafter
-
         drafter, drafter_params = make_drafter(spec, model, attention)
     k = drafter.k if drafter is not None else 0
     state, tokens = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
     if drafter is not None:
-        from jspec.spec.step import SpecStep
-
         step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
         method = spec.method if spec.enabled else type(drafter).__name__
     else:
@@ -293,7 +208,7 @@ def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingPa
 
     With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
     lossless: greedy output equals plain greedy output token for token, and sampled output
-    follows the target's distribution. A custom ``drafter`` (see :mod:`jspec.spec.drafters.base`)
+    follows the target's distribution. A custom ``drafter`` (see :mod:`jspec.speculative.drafters.base`)
     with its ``drafter_params`` replaces the one ``spec`` names. ``on_tokens`` receives, after each burst of
     ``stream_interval`` steps, the new tokens of every sequence since the last call.
     """

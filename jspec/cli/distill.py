@@ -55,7 +55,7 @@ def cmd_distill(args) -> int:
 
 def cmd_export(args) -> int:
     import jspec
-    from jspec.train.checkpoint import export_hf
+    from jspec.loading.drafts import export_hf
 
     target = jspec.load_model(args.target)
     print(f"wrote {export_hf(Path(args.draft), target, Path(args.out))}")
