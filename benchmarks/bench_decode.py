@@ -28,7 +28,7 @@ def main():
     hf = common.load_hf_peer()
     prompts = common.humaneval_prompts(0, args.prompts)
     ids = [model.tokenizer(p)["input_ids"] for p in prompts]
-    sp = jspec.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=n, ignore_eos=True)
 
     jspec.generate(model, [ids[0]], sp)  # compile
     common.hf_generate(hf, ids[0], 4, min_new_tokens=4)  # warm up

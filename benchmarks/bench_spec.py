@@ -47,7 +47,7 @@ def main():
     model = jspec.load_model()
     prompts = common.humaneval_prompts(args.start, args.prompts)
     ids = [model.tokenizer(p)["input_ids"] for p in prompts]
-    sp = jspec.SamplingParams(max_new_tokens=args.max_new_tokens)
+    sp = jspec.SamplingParams(max_tokens=args.max_new_tokens)
     methods = jspec_methods(args.quick)
     hf = None if args.no_hf else common.load_hf_peer()
     hf_methods = [] if hf is None else [("transformers greedy", {}),
@@ -67,7 +67,7 @@ def main():
 
     # Warm-up: compile every jspec configuration once, run each transformers method once.
     for _, spec in methods:
-        jspec.generate(model, [ids[0]], jspec.SamplingParams(max_new_tokens=8), spec=spec)
+        jspec.generate(model, [ids[0]], jspec.SamplingParams(max_tokens=8), spec=spec)
     for _, kw in hf_methods:
         common.hf_generate(hf, ids[0], 8, **kw)
 

@@ -4,7 +4,7 @@ Quick tour::
 
     import jspec
     model = jspec.load_model("smollm2-135m")
-    out = jspec.generate(model, ["def fib(n):"], jspec.SamplingParams(max_new_tokens=64),
+    out = jspec.generate(model, ["def fib(n):"], jspec.SamplingParams(max_tokens=64),
                          spec=jspec.SpecConfig("ngram", num_speculative_tokens=4))
     print(out.texts[0], out.mean_accepted_length)
 """

@@ -13,12 +13,15 @@ tuple, and each validates itself in ``__post_init__`` (raising :class:`ConfigErr
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 from jspec.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,38 +119,77 @@ class CacheConfig:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+MAX_SEED = 2**63 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. ``temperature == 0`` means greedy (argmax).
+    """How one request's tokens are chosen, with vLLM's names where jspec has the concept.
 
-    The same logits processing (temperature -> top-k -> top-p) shapes plain sampling and both
-    the target (p) and draft (q) distributions of speculative verification.
+    ``temperature == 0`` means greedy (argmax; jspec's default, where vLLM's is 1.0). The same
+    logits processing (temperature -> top-k -> top-p) shapes plain sampling and both the target
+    (p) and draft (q) distributions of speculative verification. In a batch every request keeps
+    its own parameters (they travel as per-slot arrays, not as compile-time constants).
+
+    - ``max_tokens``: new tokens at most (``max_new_tokens`` is read as the same number);
+    - ``stop``: strings that end the request when they appear in its output text (the text is
+      cut before the stop string, finish reason ``"stop"``);
+    - ``seed``: the request's own random stream (sampling depends only on the seed and the
+      token position, so a request samples the same alone or batched); None: the engine picks;
+    - ``ignore_eos``: keep generating past the model's EOS tokens;
+    - ``num_speculative_tokens``: this request's cap on drafts per step (0: no speculation;
+      None: the engine's setting). A jspec extension.
     """
 
     temperature: float = 0.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0  # 1 = off
-    seed: int = 0
-    max_new_tokens: int = 128
+    seed: Optional[int] = None
+    max_tokens: int = 128
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    num_speculative_tokens: Optional[int] = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ConfigError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "top_k", max(0, int(self.top_k)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def logits_key(self) -> "SamplingParams":
-        """The fields that shape logits (seed and budget zeroed) for use as a jit static arg."""
-        return dataclasses.replace(self, seed=0, max_new_tokens=1, ignore_eos=False)
+    @property
+    def max_new_tokens(self) -> int:
+        """The token budget under its earlier jspec name (same as ``max_tokens``)."""
+        return self.max_tokens
 
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle")

@@ -21,7 +21,7 @@ def test_generation_through_the_kernel_in_interpret_mode_matches_reference():
     """Decode (q_len 1), verification (q_len k + 1) and prefill through the Pallas kernel."""
     model = tiny_model(tiny_config(num_layers=2), scale=4.0)
     prompts = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3], [7, 7, 8]]
-    sp = jspec.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=6, ignore_eos=True)
     ref = jspec.generate(model, prompts, sp, attention="reference")
     for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
         got = jspec.generate(model, prompts, sp, spec=spec, attention="interpret")

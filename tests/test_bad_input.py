@@ -87,8 +87,15 @@ def test_library_raises_typed_errors(tmp_path, good_dir, good_gguf):
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.7"), "temperature"),
+    (dict(seed=2**64), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(num_speculative_tokens=99), "num_speculative_tokens"),
 ])
 def test_sampling_params_validate(kw, fragment):
     with pytest.raises(jspec.ConfigError, match=fragment):
@@ -100,7 +107,7 @@ def test_prompt_errors(good_dir):
     with pytest.raises(jspec.PromptError, match="empty"):
         jspec.generate(model, [""])
     with pytest.raises(jspec.PromptError, match="context"):
-        jspec.generate(model, [[5] * 500], jspec.SamplingParams(max_new_tokens=20))
+        jspec.generate(model, [[5] * 500], jspec.SamplingParams(max_tokens=20))
     with pytest.raises(jspec.PromptError, match="outside"):
         jspec.generate(model, [[5, 100000]])
 
@@ -130,7 +137,7 @@ def test_cli_bad_checkpoints_exit_2_with_one_line(tmp_path, good_dir, good_gguf)
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.1"], "top_p"),
     (["--top-k", "-2"], "top_k"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "0"], "max_tokens"),
     (["--max-new-tokens", "600"], "context"),
     (["--spec", "bogus"], "--spec"),
     (["--num-speculative-tokens", "0", "--spec", "ngram"], "num_speculative_tokens"),

@@ -34,7 +34,7 @@ def naive_greedy(model, prompt, n):
 
 
 def test_greedy_equals_recompute_oracle(model):
-    sp = jspec.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=12, ignore_eos=True)
     out = jspec.generate(model, PROMPTS, sp)
     for p, got in zip(PROMPTS, out.token_ids):
         assert got == naive_greedy(model, p, 12)
@@ -43,8 +43,8 @@ def test_greedy_equals_recompute_oracle(model):
 
 
 def test_batch_equals_each_prompt_alone(model):
-    for sp in [jspec.SamplingParams(max_new_tokens=10, ignore_eos=True),
-               jspec.SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=10, seed=3, ignore_eos=True)]:
+    for sp in [jspec.SamplingParams(max_tokens=10, ignore_eos=True),
+               jspec.SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_tokens=10, seed=3, ignore_eos=True)]:
         batch = jspec.generate(model, PROMPTS, sp, seeds=[11, 12, 13])
         for i, p in enumerate(PROMPTS):
             alone = jspec.generate(model, [p], sp, seeds=[11 + i])
@@ -52,7 +52,7 @@ def test_batch_equals_each_prompt_alone(model):
 
 
 def test_sampling_reproducible_by_seed(model):
-    sp = jspec.SamplingParams(temperature=1.0, max_new_tokens=16, seed=7, ignore_eos=True)
+    sp = jspec.SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
     a = jspec.generate(model, PROMPTS, sp).token_ids
     b = jspec.generate(model, PROMPTS, sp).token_ids
     c = jspec.generate(model, PROMPTS, dataclasses.replace(sp, seed=8)).token_ids
@@ -61,7 +61,7 @@ def test_sampling_reproducible_by_seed(model):
 
 
 def test_paging_geometry_does_not_change_output(model):
-    sp = jspec.SamplingParams(max_new_tokens=10, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=10, ignore_eos=True)
     base = jspec.generate(model, PROMPTS, sp).token_ids
     for cc in [jspec.CacheConfig(page_size=4, shuffle_pages=True), jspec.CacheConfig(page_size=8, prefill_chunk=4),
                jspec.CacheConfig(page_size=32, prefill_chunk=1)]:
@@ -69,7 +69,7 @@ def test_paging_geometry_does_not_change_output(model):
 
 
 def test_eos_stops_each_sequence(model):
-    sp = jspec.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=12, ignore_eos=True)
     free = jspec.generate(model, PROMPTS, sp).token_ids
     eos = free[0][4]  # make the 5th token of sequence 0 an EOS
     cfg = dataclasses.replace(model.config, eos_token_ids=(eos,))
@@ -82,7 +82,7 @@ def test_eos_stops_each_sequence(model):
 
 
 def test_streaming_yields_the_same_tokens(model):
-    sp = jspec.SamplingParams(max_new_tokens=11, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=11, ignore_eos=True)
     whole = jspec.generate(model, PROMPTS, sp).token_ids
     got = [[] for _ in PROMPTS]
     calls = []
@@ -100,14 +100,14 @@ def test_streaming_yields_the_same_tokens(model):
 def test_gqa_and_tied_variants_run(model):
     for cfg in [tiny_config(num_kv_heads=1), tiny_config(num_kv_heads=4, tie_word_embeddings=True)]:
         m = tiny_model(cfg, scale=4.0)
-        out = jspec.generate(m, PROMPTS[:2], jspec.SamplingParams(max_new_tokens=6, ignore_eos=True))
+        out = jspec.generate(m, PROMPTS[:2], jspec.SamplingParams(max_tokens=6, ignore_eos=True))
         assert out.token_ids[0] == naive_greedy(m, PROMPTS[0], 6)
 
 
 @pytest.mark.parametrize("spec", [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3)])
 def test_a_new_prompt_length_reuses_the_compiled_loop(model, spec):
     """Shapes are bucketed: after one call, a prompt of another length (same bucket) compiles nothing."""
-    sp = jspec.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=4, ignore_eos=True)
     jspec.generate(model, [[5, 9]], sp, spec=spec)
     again = jspec.generate(model, [list(range(11, 28))], sp, spec=spec)  # 17 tokens: same prefill chunk
     assert again.compile_s == 0.0

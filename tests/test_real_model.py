@@ -50,7 +50,7 @@ def test_logits_match_transformers(smollm2, hf_smollm2):
 
 def test_greedy_generation_matches_transformers(smollm2, hf_smollm2):
     n = 32
-    sp = jspec.SamplingParams(max_new_tokens=n)  # both stop after EOS (<|im_end|>), keeping it
+    sp = jspec.SamplingParams(max_tokens=n)  # both stop after EOS (<|im_end|>), keeping it
     ours = jspec.generate(smollm2, PROMPTS, sp)
     for prompt, got in zip(PROMPTS, ours.token_ids):
         ids = torch.tensor([smollm2.tokenizer(prompt)["input_ids"]])
@@ -60,7 +60,7 @@ def test_greedy_generation_matches_transformers(smollm2, hf_smollm2):
 
 
 def test_speculative_greedy_is_lossless_on_the_real_model(smollm2):
-    sp = jspec.SamplingParams(max_new_tokens=48)
+    sp = jspec.SamplingParams(max_tokens=48)
     plain = jspec.generate(smollm2, PROMPTS[:2], sp)
     for spec in [jspec.SpecConfig("ngram", 4), jspec.SpecConfig("layerskip", 3, layerskip_layers=12)]:
         out = jspec.generate(smollm2, PROMPTS[:2], sp, spec=spec)
@@ -81,7 +81,7 @@ def test_cli_json_on_the_default_model(capsys, smollm2, monkeypatch):
         assert key in last
     assert last["num_tokens"] == len(last["token_ids"]) <= 16 and last["spec"] == "ngram"
     assert len(last["acceptance_per_position"]) == 3 and last["mean_accepted_length"] >= 1.0
-    plain = jspec.generate(smollm2, ["def add(a, b):"], jspec.SamplingParams(max_new_tokens=16))
+    plain = jspec.generate(smollm2, ["def add(a, b):"], jspec.SamplingParams(max_tokens=16))
     assert last["token_ids"] == plain.token_ids[0]
     assert "tokens/s" in err
 
@@ -102,7 +102,7 @@ def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
     assert card["target"]["weights_sha256"] == smollm2.weights_hash()
     assert sum(p.stat().st_size for p in path.iterdir() if p.is_file()) <= 32e6
     prompt = "def below_zero(operations: list) -> bool:\n    \"\"\"Return True if the balance ever falls below zero.\"\"\"\n"
-    sp = jspec.SamplingParams(max_new_tokens=48)
+    sp = jspec.SamplingParams(max_tokens=48)
     plain = jspec.generate(smollm2, [prompt], sp)
     out = jspec.generate(smollm2, [prompt], sp, spec=jspec.SpecConfig(method, 4, draft=name))
     assert out.token_ids == plain.token_ids

@@ -14,7 +14,7 @@ from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, Ngra
 
 # Prompts with repeats (so n-gram lookup finds matches) and of different lengths.
 PROMPTS = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3, 17], [7, 7], [60, 61, 62, 63, 64, 65, 60, 61, 62], [30, 31, 32, 33, 34]]
-SP = jspec.SamplingParams(max_new_tokens=24, ignore_eos=True)
+SP = jspec.SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def _exact_two_token_distribution(model, prompt, sp):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("sp", [jspec.SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True),
-                                jspec.SamplingParams(temperature=0.8, top_p=0.9, top_k=10, max_new_tokens=2,
+@pytest.mark.parametrize("sp", [jspec.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
+                                jspec.SamplingParams(temperature=0.8, top_p=0.9, top_k=10, max_tokens=2,
                                                      ignore_eos=True)], ids=["plain", "topk-topp"])
 def test_sampled_speculative_generation_follows_target(sp):
     """Speculative sampling with a draft model over a 12-token vocabulary: the joint law of the

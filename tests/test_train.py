@@ -93,7 +93,7 @@ def test_small_llama_round_trip_is_exact(trained, target, tmp_path):
 @pytest.mark.parametrize("arch,method", [("eagle", "eagle"), ("small-llama", "draft")])
 def test_trained_drafts_are_lossless(trained, target, arch, method):
     path, _ = trained[arch]
-    sp = jspec.SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sp = jspec.SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     base = jspec.generate(target, prompts, sp)
     for k in (1, 4):
@@ -111,7 +111,7 @@ def test_card_for_another_target_is_refused(trained, target, tmp_path, arch, met
     card["target"]["name"] = "some-other-model"
     (other / "card.json").write_text(json.dumps(card))
     with pytest.raises(jspec.DraftMismatchError, match="some-other-model"):
-        jspec.generate(target, [[5, 6]], jspec.SamplingParams(max_new_tokens=2),
+        jspec.generate(target, [[5, 6]], jspec.SamplingParams(max_tokens=2),
                        spec=jspec.SpecConfig(method, 2, draft=str(other)))
     from jspec.cli import main
 

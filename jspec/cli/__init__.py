@@ -99,7 +99,7 @@ def cmd_generate(args) -> int:
     from jspec.config import CacheConfig, SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, max_new_tokens=args.max_new_tokens)
+                              seed=args.seed, max_tokens=args.max_new_tokens)
     spec = parse_spec(args.spec, args.num_speculative_tokens)
     if not args.prompt:
         raise jspec.PromptError("prompt is empty")

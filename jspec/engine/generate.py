@@ -74,6 +74,11 @@ class GenerationResult:
 
 # ----------------------------------------------------------------------------- setup
 
+def _logits_key(sp: SamplingParams) -> SamplingParams:
+    """The fields that shape logits (seed, budget, stop zeroed) for use as a jit static arg."""
+    return dataclasses.replace(sp, seed=None, max_tokens=1, ignore_eos=False, stop=(), num_speculative_tokens=None)
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
     """Token ids of each prompt (strings need a tokenizer; ``chat`` applies its chat template)."""
     out = []
@@ -129,11 +134,11 @@ def init_state(config: ModelConfig, prompts: list[list[int]], sampling: Sampling
     need = [int(n) + slack for n in max_lens]
     pages_per_seq = width // ps
     num_pages = b * pages_per_seq
-    alloc = PageAllocator(num_pages, ps, shuffle_seed=sampling.seed if cache_config.shuffle_pages else None)
+    alloc = PageAllocator(num_pages, ps, shuffle_seed=(sampling.seed or 0) if cache_config.shuffle_pages else None)
     tables = alloc.block_tables(need, pages_per_seq)
     cache = init_cache(config.num_layers, config.num_kv_heads, config.head_dim, tables, num_pages, ps,
                        jnp.dtype(config.dtype))
-    seeds = [sampling.seed + i for i in range(b)] if seeds is None else list(seeds)
+    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
     if len(seeds) != b:
         raise ConfigError(f"got {len(seeds)} seeds for {b} prompts")
     state = GenState(
@@ -174,10 +179,10 @@ def setup(model, prompts, sampling: SamplingParams, *, spec: SpecConfig = SpecCo
     k = drafter.k if drafter is not None else 0
     state, tokens = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
     if drafter is not None:
-        step = SpecStep(config, sampling.logits_key(), eos, attention, drafter)
+        step = SpecStep(config, _logits_key(sampling), eos, attention, drafter)
         method = spec.method if spec.enabled else type(drafter).__name__
     else:
-        step, drafter_params, method = PlainStep(config, sampling.logits_key(), eos, attention), None, None
+        step, drafter_params, method = PlainStep(config, _logits_key(sampling), eos, attention), None, None
     return Run(step, drafter, drafter_params, state, tokens, np.asarray([len(p) for p in ids], np.int32), k,
                method, attention)
 

@@ -47,7 +47,7 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
                  warm_steps: int = 4, repeats: int = 10, attention: str = "auto") -> StepProfile:
     """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``."""
     cache_config = CacheConfig()
-    run = setup(model, [prompt], dataclasses.replace(sampling, max_new_tokens=warm_steps * (spec.num_speculative_tokens + 1) + 8),
+    run = setup(model, [prompt], dataclasses.replace(sampling, max_tokens=warm_steps * (spec.num_speculative_tokens + 1) + 8),
                 spec=spec, cache_config=cache_config, attention=attention)
     state = prefill_and_init(model, run, cache_config)
     state = _burst_jit(run.step, model.params, run.drafter_params, state, jnp.int32(warm_steps))

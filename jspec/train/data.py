@@ -92,7 +92,7 @@ def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_si
     ids = [target.tokenizer(p)["input_ids"] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     seqs: dict[int, list[int]] = {}
-    sp = SamplingParams(max_new_tokens=max_new_tokens)
+    sp = SamplingParams(max_tokens=max_new_tokens)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         out = generate(target, [ids[i] for i in batch], sp)

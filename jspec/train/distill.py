@@ -201,9 +201,9 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
     from jspec.engine.generate import generate
 
     prompts = [p["prompt"] for p in list(read_problems().values())[:num_prompts]]
-    sp = jspec.SamplingParams(max_new_tokens=max_new_tokens)
+    sp = jspec.SamplingParams(max_tokens=max_new_tokens)
     method = "eagle" if arch == "eagle" else "draft"
-    generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4))
+    generate(target, prompts[:1], jspec.SamplingParams(max_tokens=4))
     base_tok, base_s = 0, 0.0
     for p in prompts:
         r = generate(target, [p], sp)
@@ -212,7 +212,7 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
               "autoregressive_tokens_per_second": round(base_tok / base_s, 2), "by_k": {}}
     for k in ks:
         spec = jspec.SpecConfig(method, k, draft=str(path))
-        generate(target, prompts[:1], jspec.SamplingParams(max_new_tokens=4), spec=spec)
+        generate(target, prompts[:1], jspec.SamplingParams(max_tokens=4), spec=spec)
         tok, sec, fw = 0, 0.0, 0
         acc = np.zeros(k)
         for p in prompts:
