@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jspec import attention as attention_lib
 from jspec.cache.paged import PagedKVCache
 from jspec.config import ModelConfig
-from jspec.models.llama import DecoderLayer, RMSNorm
+from jspec.models.llama import DecoderLayer, RMSNorm, Segment, segment_meta
 
 
 class EagleHead(nn.Module):
@@ -37,19 +37,21 @@ class EagleHead(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, embeds, prev_features, cache: PagedKVCache, q_lens):
-        """embeds, prev_features [B, T, H] -> (predicted features [B, T, H], cache)."""
+    def __call__(self, embeds, prev_features, cache: PagedKVCache, q_lens, rows=None):
+        """embeds, prev_features [B, T, H] -> (predicted features [B, T, H], cache); ``rows``
+        [B] picks the cache rows (None: all, in order)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         t = embeds.shape[1]
         x = nn.Dense(cfg.hidden_size, dtype=dtype, param_dtype=dtype, name="fc")(
             jnp.concatenate([embeds, prev_features.astype(embeds.dtype)], axis=-1))
-        start = cache.lengths
-        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        b = embeds.shape[0]
+        meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), cache)
         x, k, v = DecoderLayer(cfg, self.attention, name="layer")(
-            x, positions, cache.k_pages[0], cache.v_pages[0], cache.block_tables, start, q_lens)
-        feats = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
-        return feats, cache.replace(k_pages=(k,), v_pages=(v,), lengths=start + q_lens)
+            x.reshape(b * t, -1), (meta,), cache.k_pages[0], cache.v_pages[0])
+        feats = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x).reshape(b, t, -1)
+        lengths = cache.lengths + q_lens if rows is None else cache.lengths.at[rows].add(q_lens)
+        return feats, cache.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,10 +60,11 @@ def _module(config: ModelConfig, attention: str) -> EagleHead:
 
 
 def eagle_forward(head_params, config: ModelConfig, embeds, prev_features, cache: PagedKVCache, q_lens,
-                  attention: str = "reference"):
+                  attention: str = "reference", rows=None):
     """Pure head forward; returns (predicted features [B, T, H], new one-layer cache)."""
     with jax.named_scope("eagle_head"):
-        return _module(config, attention).apply({"params": head_params}, embeds, prev_features, cache, q_lens)
+        return _module(config, attention).apply({"params": head_params}, embeds, prev_features, cache, q_lens,
+                                                rows)
 
 
 def init_eagle_params(config: ModelConfig, key: jax.Array, target_params=None):

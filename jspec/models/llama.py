@@ -14,6 +14,10 @@ Row t of sequence b sits at position ``cache.lengths[b] + t``; rows ``t < q_lens
 their K/V written into the cache before attention, and the returned cache's lengths are
 ``cache.lengths + q_lens``. ``num_layers`` < config.num_layers runs only the first layers
 (layer-skip self-speculation) and still applies the final norm and LM head.
+
+:func:`forward_segments` generalizes it to several :class:`Segment` s at once (the serving
+engine's mixed step: decode/verification rows of every sequence plus a prefill chunk of one):
+one pass of every matmul over all rows, attention per segment.
 """
 
 from __future__ import annotations
@@ -75,32 +79,77 @@ class RMSNorm(nn.Module):
         return scale * xf.astype(x.dtype)
 
 
+class Segment(NamedTuple):
+    """Query rows of one forward for a set of cache rows (sequences).
+
+    A forward takes one or more segments and runs every matmul once over all their tokens
+    (so a chunk of prefill rides along a decode or verification step), while each segment's
+    attention is the verification-attention contract on its own ``[Bs, Ts]`` grid. A cache row
+    may have ``q_lens > 0`` in at most one segment of a forward.
+    """
+
+    tokens: jax.Array  # int32 [Bs, Ts]
+    q_lens: jax.Array  # int32 [Bs]: rows t < q_lens[b] are real; the rest are padding
+    rows: Optional[jax.Array] = None  # int32 [Bs]: cache rows; None = 0 .. Bs-1 (every row)
+
+
+class _Meta(NamedTuple):  # per segment, derived from the cache before the forward
+    shape: tuple[int, int]  # (Bs, Ts)
+    positions: jax.Array  # int32 [Bs, Ts]
+    block_tables: jax.Array  # int32 [Bs, max_pages_per_seq]
+    start: jax.Array  # int32 [Bs]: cache length before the forward
+    q_lens: jax.Array  # int32 [Bs]
+
+
+def segment_meta(seg: Segment, cache: PagedKVCache) -> _Meta:
+    bs, ts = seg.tokens.shape
+    if seg.rows is None:
+        tables, start = cache.block_tables, cache.lengths
+    else:
+        tables, start = cache.block_tables[seg.rows], cache.lengths[seg.rows]
+    positions = start[:, None] + jnp.arange(ts, dtype=jnp.int32)[None, :]
+    return _Meta((bs, ts), positions, tables, start, seg.q_lens)
+
+
+def _split(x: jax.Array, metas) -> list[jax.Array]:
+    """Flat rows [M, ...] -> per segment [Bs, Ts, ...]."""
+    out, at = [], 0
+    for m in metas:
+        n = m.shape[0] * m.shape[1]
+        out.append(x[at:at + n].reshape(m.shape + x.shape[1:]))
+        at += n
+    return out
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, positions, k_pages, v_pages, block_tables, start, q_lens):
+    def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H] rows of every segment
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        b, t, _ = x.shape
         qkv = nn.Dense(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
-                       param_dtype=dtype, name="qkv_proj")(x)  # [B, T, (Hq + 2 KVH) D]
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+                       param_dtype=dtype, name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
         inv_freq = rope_inv_freq(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-
-        with jax.named_scope("kv_write"):
-            k_pages = write_kv(k_pages, k, block_tables, start, q_lens)
-            v_pages = write_kv(v_pages, v, block_tables, start, q_lens)
-        with jax.named_scope("verify_attention"):
-            attn = attention_lib.get(self.attention)
-            o = attn(q, k_pages, v_pages, block_tables, start + q_lens, q_lens)  # [B, T, Hq, D]
-        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
-                       name="o_proj")(o.reshape(b, t, cfg.q_size))
+        qs = []
+        for m, part in zip(metas, _split(qkv, metas)):
+            q, k, v = jnp.split(part, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+            q = apply_rope(q.reshape(*m.shape, cfg.num_heads, cfg.head_dim), m.positions, inv_freq)
+            k = apply_rope(k.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim), m.positions, inv_freq)
+            v = v.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim)
+            with jax.named_scope("kv_write"):  # every segment's K/V lands before any attention
+                k_pages = write_kv(k_pages, k, m.block_tables, m.start, m.q_lens)
+                v_pages = write_kv(v_pages, v, m.block_tables, m.start, m.q_lens)
+            qs.append(q)
+        attn = attention_lib.get(self.attention)
+        outs = []
+        for m, q in zip(metas, qs):
+            with jax.named_scope("verify_attention"):
+                o = attn(q, k_pages, v_pages, m.block_tables, m.start + m.q_lens, m.q_lens)  # [Bs, Ts, Hq, D]
+            outs.append(o.reshape(-1, cfg.q_size))
+        o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="o_proj")(o)
         return out, k_pages, v_pages
 
 
@@ -123,12 +172,11 @@ class DecoderLayer(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, positions, k_pages, v_pages, block_tables, start, q_lens):
+    def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         h, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
-            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x),
-            positions, k_pages, v_pages, block_tables, start, q_lens)
+            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), metas, k_pages, v_pages)
         x = x + h
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
         return x, k_pages, v_pages
@@ -148,31 +196,32 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype)
 
-    def embed(self, tokens):  # int32 [B, T] -> [B, T, H]
+    def embed(self, tokens):  # int32 [...] -> [..., H]
         return self.embed_tokens(tokens)
 
-    def head(self, hidden):  # [B, T, H] (after the final norm) -> float32 logits [B, T, V]
+    def head(self, hidden):  # [..., H] (after the final norm) -> float32 logits [..., V]
         if self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens, cache: PagedKVCache, q_lens, num_layers: Optional[int] = None,
-                 compute_logits: bool = True):
+    def __call__(self, segments: tuple[Segment, ...], cache: PagedKVCache, num_layers: Optional[int] = None,
+                 logits_for: tuple[bool, ...] = (True,)):
         n = self.config.num_layers if num_layers is None else num_layers
-        b, t = tokens.shape
-        start = cache.lengths  # [B]
-        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-        x = self.embed(tokens)
+        metas = [segment_meta(s, cache) for s in segments]
+        x = jnp.concatenate([self.embed(s.tokens).reshape(-1, self.config.hidden_size) for s in segments], 0) \
+            if len(segments) > 1 else self.embed(segments[0].tokens).reshape(-1, self.config.hidden_size)
         k_all, v_all = list(cache.k_pages), list(cache.v_pages)
         for i in range(n):
             with jax.named_scope(f"layer_{i}"):
-                x, k_all[i], v_all[i] = self.layers[i](
-                    x, positions, k_all[i], v_all[i], cache.block_tables, start, q_lens)
-        hidden = self.norm(x)
-        logits = self.head(hidden) if compute_logits else None
-        cache = cache.replace(k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=start + q_lens)
+                x, k_all[i], v_all[i] = self.layers[i](x, metas, k_all[i], v_all[i])
+        hidden = _split(self.norm(x), metas)
+        logits = [self.head(h) if want else None for h, want in zip(hidden, logits_for)]
+        lengths = cache.lengths
+        for s, m in zip(segments, metas):
+            lengths = lengths + m.q_lens if s.rows is None else lengths.at[s.rows].add(m.q_lens)
+        cache = cache.replace(k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=lengths)
         return logits, hidden, cache
 
 
@@ -190,10 +239,22 @@ def _module(config: ModelConfig, attention: str) -> LlamaForCausalLM:
 def forward(params, config: ModelConfig, tokens, cache: PagedKVCache, q_lens, *,
             attention: str = "auto", num_layers: Optional[int] = None,
             compute_logits: bool = True) -> ForwardOutput:
-    """Run the model over ``tokens`` [B, T] on top of ``cache`` (pure; jit it)."""
+    """Run the model over ``tokens`` [B, T] on top of ``cache`` (every row; pure, jit it)."""
+    logits, hidden, cache = forward_segments(params, config, (Segment(tokens, q_lens),), cache,
+                                             attention=attention, num_layers=num_layers,
+                                             logits_for=(compute_logits,))
+    return ForwardOutput(logits[0], hidden[0], cache)
+
+
+def forward_segments(params, config: ModelConfig, segments: tuple[Segment, ...], cache: PagedKVCache, *,
+                     attention: str = "auto", num_layers: Optional[int] = None,
+                     logits_for: Optional[tuple[bool, ...]] = None):
+    """Run the model over several segments at once (see :class:`Segment`); returns (logits per
+    segment, float32 [Bs, Ts, V] or None where ``logits_for`` is False; final hidden states per
+    segment [Bs, Ts, H]; the new cache)."""
+    logits_for = tuple(logits_for) if logits_for is not None else (True,) * len(segments)
     with jax.named_scope("model_forward"):
-        return ForwardOutput(*_module(config, attention).apply(
-            {"params": params}, tokens, cache, q_lens, num_layers, compute_logits))
+        return _module(config, attention).apply({"params": params}, tuple(segments), cache, num_layers, logits_for)
 
 
 def output_embedding(params, config: ModelConfig) -> jax.Array:
@@ -218,5 +279,5 @@ def init_params(config: ModelConfig, key: jax.Array):
     tables = jnp.zeros((1, 1), jnp.int32)
     cache = init_cache(config.num_layers, config.num_kv_heads, config.head_dim, tables, 1, 16,
                        jnp.dtype(config.dtype))
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return _module(config, "reference").init(key, tokens, cache, jnp.ones((1,), jnp.int32))["params"]
+    seg = Segment(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+    return _module(config, "reference").init(key, (seg,), cache)["params"]
