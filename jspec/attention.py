@@ -2,25 +2,30 @@
 
 One operation, one meaning (see :mod:`pallas_kernels.paged_verify_attention`): ``q_lens[b]``
 new query rows whose K/V are already in the pages, ``kv_lens[b]`` keys including them, row t at
-absolute position ``kv_lens[b] - q_lens[b] + t`` sees keys at positions <= its own.
+absolute position ``kv_lens[b] - q_lens[b] + t`` sees keys at positions <= its own; padding
+rows (t >= q_lens[b]) come out as zeros.
 
 Implementations:
-    reference  plain jnp (gather pages, mask, softmax): the oracle and the CPU path
+    reference  plain jnp over every page of the block table (gather, mask, softmax): the oracle
+    xla        plain jnp, online softmax over blocks of pages in a loop that stops at the longest
+               live sequence: cost follows the live context, not the table width (the CPU path)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm)
     interpret  the same Pallas kernel in interpret mode (CPU tests)
-    auto       pallas on a GPU backend, reference elsewhere
+    auto       pallas on a GPU backend, xla elsewhere
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jspec.errors import ConfigError
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")
+ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
+BLOCK_KEYS = 256  # keys per loop iteration of the xla path
 
 
 def resolve(impl: str = "auto", backend: str | None = None) -> str:
@@ -31,10 +36,63 @@ def resolve(impl: str = "auto", backend: str | None = None) -> str:
     on_gpu = backend in ("gpu", "cuda", "rocm")
     if impl == "pallas" and not on_gpu:
         raise ConfigError(f"attention 'pallas' compiles for a GPU and the backend is {backend!r}; "
-                          "use 'reference' (or 'interpret' to run the kernel in interpret mode)")
+                          "use 'xla' or 'reference' on this machine")
     if impl != "auto":
         return impl
-    return "pallas" if on_gpu else "reference"
+    return "pallas" if on_gpu else "xla"
+
+
+def paged_attention_xla(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pages: jax.Array,  # [KVH, P, S, D]
+    v_pages: jax.Array,  # [KVH, P, S, D]
+    block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
+    kv_lens: jax.Array,  # int32 [B]
+    q_lens: Optional[jax.Array] = None,  # int32 [B]
+    *,
+    block_keys: int = BLOCK_KEYS,
+) -> jax.Array:  # [B, T, Hq, D]
+    """The contract with an online softmax over blocks of ``block_keys`` keys; the loop runs
+    ``ceil(max(kv_lens) / block_keys)`` times (a while loop: no recompilation as contexts grow)."""
+    b, t, hq, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    g = hq // kvh
+    bp = max(1, block_keys // page_size)  # pages per block
+    n = bp * page_size
+    width = block_tables.shape[1]
+    tables = jnp.pad(block_tables, ((0, 0), (0, (-width) % bp)))  # padded slots are masked out
+    if q_lens is None:
+        q_lens = jnp.full((b,), t, jnp.int32)
+    q_pos = kv_lens[:, None] - q_lens[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
+    num_blocks = (jnp.max(kv_lens) + n - 1) // n
+
+    def body(j, carry):
+        m, l, acc = carry  # [B, KVH, G, T], [B, KVH, G, T], [B, KVH, G, T, D]
+        tbl = jax.lax.dynamic_slice_in_dim(tables, j * bp, bp, axis=1)  # [B, bp]
+        k = k_pages[:, tbl].reshape(kvh, b, n, d).astype(jnp.float32)
+        v = v_pages[:, tbl].reshape(kvh, b, n, d).astype(jnp.float32)
+        pos = j * n + jnp.arange(n)  # [n]
+        live = pos[None, :] < kv_lens[:, None]  # [B, n]
+        v = jnp.where(live[None, :, :, None], v, 0.0)  # stale or NaN slots cannot leak through 0 * NaN
+        s = jnp.einsum("btkgd,kbnd->bkgtn", qg, k)  # [B, KVH, G, T, n]
+        visible = (pos[None, None, :] <= q_pos[:, :, None]) & live[:, None, :]  # [B, T, n]
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - safe)  # exp(-inf) = 0 on the first block
+        p = jnp.exp(s - safe[..., None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bkgtn,kbnd->bkgtd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((b, kvh, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, kvh, g, t), jnp.float32),
+            jnp.zeros((b, kvh, g, t, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, KVH, G, T, D]
+    o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, hq, d)
+    valid_row = jnp.arange(t)[None, :] < q_lens[:, None]
+    return jnp.where(valid_row[:, :, None, None], o, 0.0).astype(q.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +100,8 @@ def get(impl: str = "auto") -> Callable:
     """The attention function for ``impl``, with the signature
     ``fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens) -> out``."""
     impl = resolve(impl)
+    if impl == "xla":
+        return paged_attention_xla
     if impl == "reference":
         from pallas_kernels.paged_verify_attention import paged_verify_attention_reference
 

@@ -8,7 +8,7 @@ from jspec import attention
 
 
 def test_auto_is_reference_on_cpu_and_pallas_needs_a_gpu():
-    assert attention.resolve("auto", "cpu") == "reference"
+    assert attention.resolve("auto", "cpu") == "xla"
     assert attention.resolve("auto", "gpu") == "pallas"
     assert attention.resolve("auto", "rocm") == "pallas"
     with pytest.raises(jspec.ConfigError, match="GPU"):
