@@ -205,6 +205,7 @@ class SpecConfig:
     ngram_min: int = 2  # ... down to this length
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
     draft: Optional[str] = None  # draft / eagle: name or path of the draft checkpoint
+    dynamic_k: bool = False  # the engine picks k per burst (0 .. num_speculative_tokens) by measured cost
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -225,3 +226,83 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    # vLLM's ``speculative_config`` keys -> jspec's
+    _VLLM_METHODS = {"ngram": "ngram", "layerskip": "layerskip", "draft_model": "draft", "draft": "draft",
+                     "eagle": "eagle", "none": "none"}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "SpecConfig":
+        """A SpecConfig from vLLM's ``speculative_config`` dictionary: ``method`` (ngram,
+        layerskip, draft_model, eagle), ``num_speculative_tokens``, ``model`` (draft path or
+        shipped name), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram), ``layers``
+        (layer-skip), ``dynamic_k``."""
+        if d is None:
+            return cls()
+        if isinstance(d, SpecConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
+                 "layers", "dynamic_k"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        method = d.get("method", "ngram" if "prompt_lookup_max" in d else None)
+        if method not in cls._VLLM_METHODS:
+            raise ConfigError(f"speculative_config method must be one of {sorted(cls._VLLM_METHODS)}, got {method!r}")
+        kw = dict(method=cls._VLLM_METHODS[method], num_speculative_tokens=d.get("num_speculative_tokens", 4),
+                  draft=d.get("model"), dynamic_k=bool(d.get("dynamic_k", False)))
+        if "prompt_lookup_max" in d:
+            kw["ngram_max"] = d["prompt_lookup_max"]
+        if "prompt_lookup_min" in d:
+            kw["ngram_min"] = d["prompt_lookup_min"]
+        if "layers" in d:
+            kw["layerskip_layers"] = d["layers"]
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
+            if name in kw and not _is_int(kw[name]):
+                raise ConfigError(f"speculative_config: {name} must be an integer, got {kw[name]!r}")
+        return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine's shape (vLLM's names where it has the concept).
+
+    - ``max_num_seqs``: slots decoded together (the batch);
+    - ``max_num_batched_tokens``: tokens one step may run: every slot's decode/verification
+      rows plus one prefill chunk (the rest of the budget, rounded down to a power of two);
+    - ``max_model_len``: prompt + output tokens per request (default: the model's context);
+    - ``kv_cache_tokens``: size of the page pool in tokens (default: ``max_num_seqs`` x
+      ``max_model_len``, every slot at full length);
+    - ``enable_prefix_caching``: share full prompt pages between requests with the same prefix;
+    - ``max_burst_steps``: steps per device call (the host sees new tokens and arrivals between);
+    - ``seed``: seeds of requests that bring none are drawn from this.
+    """
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None
+    kv_cache_tokens: Optional[int] = None
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    max_burst_steps: int = 16
+    attention: str = "auto"
+    seed: int = 0
+    shuffle_pages: bool = False  # hand out pages in a random order (tests that paging is real)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.page_size & (self.page_size - 1) or self.page_size > 1024:
+            raise ConfigError(f"page_size must be a power of two <= 1024, got {self.page_size}")
+        if self.max_num_seqs > 4096:
+            raise ConfigError(f"max_num_seqs must be <= 4096, got {self.max_num_seqs}")
+        for name in ("max_model_len", "kv_cache_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 1 <= v <= 2**31 - 1):
+                raise ConfigError(f"{name} must be an integer in [1, 2^31), got {v!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")

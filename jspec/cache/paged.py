@@ -84,7 +84,9 @@ def write_kv(
     _, num_pages, page_size, _ = pages.shape
     t = new.shape[1]
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1, mode="clip")
-    page = jnp.where(jnp.arange(t)[None, :] < q_lens[:, None], page, num_pages)  # OOB: dropped
+    slot = pos // page_size
+    page = jnp.take_along_axis(block_tables, slot, axis=1, mode="clip")
+    keep = (jnp.arange(t)[None, :] < q_lens[:, None]) & (slot < block_tables.shape[1])
+    page = jnp.where(keep, page, num_pages)  # out of range: dropped
     vals = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [KVH, B, T, D]
     return pages.at[:, page, pos % page_size].set(vals, mode="drop")

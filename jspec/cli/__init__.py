@@ -1,9 +1,9 @@
 """The ``jspec`` command: thin wiring over the library.
 
-    jspec generate PROMPT [--model NAME_OR_PATH] [--max-new-tokens N] [--temperature T]
-                          [--top-k K] [--top-p P] [--seed S] [--chat] [--json]
-                          [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH}]
-                          [--num-speculative-tokens K] [--attention {auto,reference,pallas}]
+    jspec generate PROMPT [PROMPT ...] | --prompts-file FILE [--model NAME_OR_PATH] [--max-tokens N]
+                          [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR]
+                          [--chat] [--json] [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH}]
+                          [--num-speculative-tokens K] [--dynamic-k] [--max-num-seqs N] ...
     jspec info
     jspec distill ...   (see ``jspec distill --help``)
 
@@ -15,7 +15,6 @@ stdout before every check has passed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -42,7 +41,7 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _enable_compile_cache() -> None:
+def enable_compile_cache() -> None:
     """Persist XLA executables across runs (a second ``jspec generate`` skips compilation)."""
     import jax
 
@@ -78,63 +77,6 @@ def parse_spec(value: str, k: int):
     raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH or eagle:PATH, got {value!r}")
 
 
-def _stream_printer(tokenizer):
-    """Print text as tokens arrive, holding back incomplete multi-byte characters."""
-    state = {"ids": [], "printed": 0}
-
-    def on_tokens(new):
-        state["ids"].extend(new[0])
-        text = tokenizer.decode(state["ids"], skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[state["printed"]:])
-        sys.stdout.flush()
-        state["printed"] = len(text)
-
-    return on_tokens
-
-
-def cmd_generate(args) -> int:
-    import jspec
-    from jspec.config import CacheConfig, SamplingParams
-
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, max_tokens=args.max_new_tokens)
-    spec = parse_spec(args.spec, args.num_speculative_tokens)
-    if not args.prompt:
-        raise jspec.PromptError("prompt is empty")
-    model = jspec.load_model(args.model, dtype=args.dtype)
-    if model.tokenizer is None:
-        raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
-    _enable_compile_cache()
-    on_tokens = None if args.json else _stream_printer(model.tokenizer)
-    result = jspec.generate(model, [args.prompt], sampling, spec=spec, chat=args.chat,
-                            attention=args.attention, on_tokens=on_tokens,
-                            cache_config=CacheConfig(page_size=args.page_size))
-    if args.json:
-        print(json.dumps({
-            "text": result.texts[0],
-            "token_ids": result.token_ids[0],
-            "num_tokens": result.num_tokens,
-            "prompt_tokens": result.prompt_lens[0],
-            "finish_reason": result.finish_reasons[0],
-            "tokens_per_second": result.tokens_per_second,
-            "ttft_s": result.ttft_s,
-            "total_s": result.total_s,
-            "compile_s": result.compile_s,
-            "spec": result.spec_method,
-            "num_speculative_tokens": result.num_speculative_tokens,
-            "mean_accepted_length": result.mean_accepted_length,
-            "acceptance_per_position": result.acceptance_per_position,
-            "num_target_forwards": result.num_target_forwards,
-            "model": str(model.source),
-        }))
-    else:
-        print()
-    print(result.summary(), file=sys.stderr)
-    return 0
-
-
 def cmd_info(args) -> int:
     import importlib.metadata as md
 
@@ -161,28 +103,13 @@ def cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jspec.attention import ATTENTION_IMPLS
+    from jspec.cli.generate import add_generate_parser
     from jspec.loading import DEFAULT_MODEL
 
     p = _ArgumentParser(prog="jspec", description="Speculative decoding on a paged KV cache, in JAX.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("prompt", help="raw prompt text (use --chat to wrap it in the chat template)")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"name or path (default {DEFAULT_MODEL})")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    g.add_argument("--spec", default="none",
-                   help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH (default none)")
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    g.add_argument("--attention", default="auto", choices=[a for a in ATTENTION_IMPLS if a != "interpret"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--page-size", type=int, default=16)
-    g.set_defaults(func=cmd_generate)
+    add_generate_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
 
     i = sub.add_parser("info", help="versions, backend, devices and the default model's path")
     i.set_defaults(func=cmd_info)

@@ -1,41 +1,24 @@
-"""Generation for a batch of prompts: setup, chunked prefill, and the on-device decode loop.
+"""``jspec.generate``: a batch of prompts through the engine, all admitted at once.
 
-``generate`` is the library's front door. Per call:
-
-1. prompts are tokenized and checked; each sequence gets pages for prompt + budget (+ k + 1
-   slack for verification) from a :class:`PageAllocator`;
-2. prefill writes ``prompt[:-1]`` into the cache in chunks (no logits needed: the last prompt
-   token is the first decode step's input);
-3. the decode loop runs inside ``lax.while_loop`` on the device with the state donated: plain
-   decoding (one token per target forward) or speculative decoding (a drafter proposes k
-   tokens, one target forward verifies them). The first step runs alone to time the first
-   token; the rest runs in one call, or in bursts of ``stream_interval`` steps when the caller
-   streams tokens.
-
-Compilation happens on the first call of each jitted function; its time (from
-``jax.monitoring``, see :mod:`jspec.timing`) is reported apart and subtracted from the timings.
+A thin call into :class:`~jspec.engine.engine.LLMEngine` (one decode path, not two): the
+engine gets one slot per prompt and shapes rounded up to ``SHAPE_QUANTUM`` tokens (so prompts
+of similar length reuse the compiled steps), each prompt's pages come from a shared pool, and
+the prompts are prefilled chunk by chunk while the ones already prefilled decode. The result
+carries timings with compilation subtracted (:mod:`jspec.timing`) and the speculative
+counters summed over the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jspec import attention as attention_lib
-from jspec import sampling as sampling_lib
-from jspec.cache import PageAllocator, init_cache
-from jspec.speculative.drafters import make_drafter
-from jspec.config import CacheConfig, ModelConfig, SamplingParams, SpecConfig
+from jspec.config import CacheConfig, EngineConfig, SamplingParams, SpecConfig
+from jspec.engine.engine import LLMEngine, Prompt, encode_prompt
 from jspec.errors import ConfigError, PromptError
-from jspec.models.prefill import prefill
-from jspec.speculative.state import GenState
-from jspec.speculative.steps import PlainStep, SpecStep, _burst_jit
 from jspec.timing import Stopwatch
+
+SHAPE_QUANTUM = 64  # tokens: granularity of max_model_len (an exact fit would recompile per prompt length)
 
 
 @dataclasses.dataclass
@@ -43,13 +26,13 @@ class GenerationResult:
     token_ids: list[list[int]]  # new tokens of each prompt (EOS included when hit)
     texts: Optional[list[str]]  # decoded new tokens, special tokens skipped (None without tokenizer)
     prompt_lens: list[int]
-    finish_reasons: list[str]  # "eos" or "length"
+    finish_reasons: list[str]  # "eos", "stop" (a stop string) or "length"
     num_tokens: int  # new tokens over the batch
-    ttft_s: float  # prefill + first decode step
+    ttft_s: float  # until every prompt has its first token (prefill included)
     total_s: float  # prefill + every decode step (compilation excluded)
     compile_s: float
     tokens_per_second: float  # num_tokens / total_s
-    num_target_forwards: int  # decode-loop iterations (each is one target forward)
+    num_target_forwards: int  # decode steps of the longest-running prompt (each one target forward)
     mean_accepted_length: Optional[float]  # new tokens per target forward per sequence (bonus included)
     # acceptance_per_position[j] = P(draft j+1 accepted | it was proposed): since a draft is only
     # accepted after all earlier ones were, this is the chance the first j+1 drafts all survive
@@ -57,7 +40,7 @@ class GenerationResult:
     acceptance_per_position: Optional[list[float]]
     accepted_counts: Optional[list[int]] = None  # sequence-steps in which draft j+1 was accepted
     proposed_counts: Optional[list[int]] = None  # sequence-steps in which draft j+1 was proposed
-    sequence_steps: int = 0  # sum over decode steps of the sequences still running
+    sequence_steps: int = 0  # sum over prompts of their decode steps
     spec_method: str = "none"
     num_speculative_tokens: int = 0
 
@@ -72,191 +55,94 @@ class GenerationResult:
         return s
 
 
-# ----------------------------------------------------------------------------- setup
-
-def _logits_key(sp: SamplingParams) -> SamplingParams:
-    """The fields that shape logits (seed, budget, stop zeroed) for use as a jit static arg."""
-    return dataclasses.replace(sp, seed=None, max_tokens=1, ignore_eos=False, stop=(), num_speculative_tokens=None)
-
-
-def encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
-    """Token ids of each prompt (strings need a tokenizer; ``chat`` applies its chat template)."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            if not p:
-                raise PromptError("prompt is empty")
-            if tokenizer is None:
-                raise ConfigError("text prompts need a tokenizer; pass token ids instead")
-            if chat:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                    add_generation_prompt=True, tokenize=True)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-            else:
-                ids = tokenizer(p, add_special_tokens=True)["input_ids"]
-        else:
-            ids = [int(t) for t in p]
-        if not ids:
-            raise PromptError("prompt is empty (no tokens)")
-        out.append(list(ids))
-    return out
+def normalize_prompts(prompts) -> list[Prompt]:
+    """A string is one prompt (as in vLLM); a list of ints is one token-id prompt only inside a
+    list; an empty batch is refused."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise PromptError(f"prompts must be a string or a list of prompts, got {type(prompts).__name__}")
+    if not prompts:
+        raise PromptError("no prompts given")
+    return list(prompts)
 
 
-def _check_prompts(ids: list[list[int]], config: ModelConfig, max_new: int) -> None:
-    for i, p in enumerate(ids):
-        if min(p) < 0 or max(p) >= config.vocab_size:
-            raise PromptError(f"prompt {i} has token ids outside [0, {config.vocab_size})")
-        if len(p) + max_new > config.max_position_embeddings:
-            raise PromptError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new} that exceeds the "
-                f"model's context of {config.max_position_embeddings} tokens")
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
-SHAPE_QUANTUM = 64  # tokens: granularity of the token buffer and of each sequence's pages (padding
-# costs ~3% per token in the reference attention; an exact fit would recompile per prompt length)
-
-
-def init_state(config: ModelConfig, prompts: list[list[int]], sampling: SamplingParams,
-               cache_config: CacheConfig, slack: int, num_spec: int,
-               seeds: Optional[Sequence[int]] = None) -> tuple[GenState, np.ndarray]:
-    """The state before prefill, with pages allocated for prompt + budget + ``slack`` tokens."""
-    b = len(prompts)
-    prompt_lens = np.array([len(p) for p in prompts], np.int32)
-    max_lens = prompt_lens + sampling.max_new_tokens
-    # Shapes are rounded up to SHAPE_QUANTUM tokens so that prompts of similar length share one
-    # compiled decode loop (otherwise every new prompt length recompiles it).
-    ps = cache_config.page_size
-    quantum = max(SHAPE_QUANTUM, ps)
-    width = -(-(int(max_lens.max()) + slack + 1) // quantum) * quantum
-    tokens = np.zeros((b, width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    need = [int(n) + slack for n in max_lens]
-    pages_per_seq = width // ps
-    num_pages = b * pages_per_seq
-    alloc = PageAllocator(num_pages, ps, shuffle_seed=(sampling.seed or 0) if cache_config.shuffle_pages else None)
-    tables = alloc.block_tables(need, pages_per_seq)
-    cache = init_cache(config.num_layers, config.num_kv_heads, config.head_dim, tables, num_pages, ps,
-                       jnp.dtype(config.dtype))
-    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
-    if len(seeds) != b:
-        raise ConfigError(f"got {len(seeds)} seeds for {b} prompts")
-    state = GenState(
-        tokens=jnp.asarray(tokens), seq_lens=jnp.asarray(prompt_lens), prompt_lens=jnp.asarray(prompt_lens),
-        max_lens=jnp.asarray(max_lens), done=jnp.zeros((b,), bool), eos_hit=jnp.zeros((b,), bool),
-        keys=jnp.stack([jax.random.key(s) for s in seeds]), cache=cache, drafter=None,
-        steps=jnp.int32(0), active_steps=jnp.int32(0), accepted=jnp.zeros((max(num_spec, 1),), jnp.int32),
-        proposed=jnp.zeros((max(num_spec, 1),), jnp.int32))
-    return state, tokens
-
-
-@dataclasses.dataclass
-class Run:
-    """One generate() call after set-up: the step to loop and the state before prefill."""
-
-    step: Callable  # PlainStep or SpecStep (hashable: a static argument of the jitted loop)
-    drafter: Any
-    drafter_params: Any
-    state: GenState
-    tokens: np.ndarray  # int32 [B, N] host copy of the token buffer
-    prompt_lens: np.ndarray  # int32 [B]
-    k: int
-    method: Optional[str]
-    attention: str
-
-
-def setup(model, prompts, sampling: SamplingParams, *, spec: SpecConfig = SpecConfig(), drafter=None,
-          drafter_params=None, cache_config: CacheConfig = CacheConfig(), attention: str = "auto",
-          chat: bool = False, seeds: Optional[Sequence[int]] = None) -> Run:
-    """Validate, tokenize, build the drafter and allocate the state (nothing runs yet)."""
-    config = model.config
-    attention = attention_lib.resolve(attention)
-    ids = encode_prompts(model.tokenizer, prompts, chat)
-    _check_prompts(ids, config, sampling.max_new_tokens)
-    eos = () if sampling.ignore_eos else tuple(config.eos_token_ids)
-    if drafter is None and spec.enabled:
-        drafter, drafter_params = make_drafter(spec, model, attention)
-    k = drafter.k if drafter is not None else 0
-    state, tokens = init_state(config, ids, sampling, cache_config, slack=k + 1, num_spec=k, seeds=seeds)
-    if drafter is not None:
-        step = SpecStep(config, _logits_key(sampling), eos, attention, drafter)
-        method = spec.method if spec.enabled else type(drafter).__name__
-    else:
-        step, drafter_params, method = PlainStep(config, _logits_key(sampling), eos, attention), None, None
-    return Run(step, drafter, drafter_params, state, tokens, np.asarray([len(p) for p in ids], np.int32), k,
-               method, attention)
-
-
-def prefill_and_init(model, run: Run, cache_config: CacheConfig) -> GenState:
-    """Prefill the target (and the drafter) and return the state ready for the first step."""
-    needs_hidden = getattr(run.drafter, "needs_prefill_hidden", False)
-    out = prefill(model.params, model.config, run.tokens, run.prompt_lens, run.state.cache, cache_config,
-                  run.attention, return_hidden=needs_hidden)
-    cache, hidden = out if needs_hidden else (out, None)
-    state = run.state.replace(cache=cache)
-    if run.drafter is not None:
-        state = state.replace(drafter=run.drafter.init(model.params, run.drafter_params, run.tokens,
-                                                       run.prompt_lens, state, cache_config, hidden))
-    # Wait for prefill before the decode loop compiles: a compilation overlapping device work
-    # would hide that work from the timing (compile time is subtracted).
-    return jax.block_until_ready(state)
-
-
-# ----------------------------------------------------------------------------- front door
-
-def generate(model, prompts: Sequence[str | Sequence[int]], sampling: SamplingParams = SamplingParams(), *,
-             spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None, cache_config: CacheConfig = CacheConfig(),
-             attention: str = "auto", chat: bool = False, seeds: Optional[Sequence[int]] = None,
-             on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
+def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = SamplingParams(), *,
+             spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None,
+             cache_config: CacheConfig = CacheConfig(), attention: str = "auto", chat: bool = False,
+             seeds: Optional[Sequence[int]] = None, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              stream_interval: int = 8) -> GenerationResult:
     """Generate continuations of ``prompts`` with ``model`` (a :class:`LoadedModel`).
 
     With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
     lossless: greedy output equals plain greedy output token for token, and sampled output
-    follows the target's distribution. A custom ``drafter`` (see :mod:`jspec.speculative.drafters.base`)
-    with its ``drafter_params`` replaces the one ``spec`` names. ``on_tokens`` receives, after each burst of
-    ``stream_interval`` steps, the new tokens of every sequence since the last call.
+    follows the target's distribution. A custom ``drafter`` (see
+    :mod:`jspec.speculative.drafters.base`) with its ``drafter_params`` replaces the one ``spec``
+    names. ``seeds`` gives each prompt its own seed (default ``sampling.seed + i``).
+    ``on_tokens`` receives, after each burst of ``stream_interval`` steps, the new tokens of every
+    sequence since the last call.
     """
-    run = setup(model, prompts, sampling, spec=spec, drafter=drafter, drafter_params=drafter_params,
-                cache_config=cache_config, attention=attention, chat=chat, seeds=seeds)
-    params, step, drafter_params, prompt_lens = model.params, run.step, run.drafter_params, run.prompt_lens
+    if not isinstance(sampling, SamplingParams):
+        raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    prompts = normalize_prompts(prompts)
+    ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
+    b = len(ids)
+    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
+    if len(seeds) != b:
+        raise ConfigError(f"got {len(seeds)} seeds for {b} prompts")
+    context = model.config.max_position_embeddings
+    for i, p in enumerate(ids):
+        if len(p) + sampling.max_tokens > context:
+            raise PromptError(f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} that exceeds "
+                              f"the model's context of {context} tokens")
+    k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
+    max_model_len = min(_round_up(max(len(p) for p in ids) + sampling.max_tokens, SHAPE_QUANTUM), context)
+    chunk = 1 << (max(cache_config.prefill_chunk, 16).bit_length() - 1)
+    prefill_budget = max(chunk, min(16 * b, 4096))  # a big batch prefills many prompts per step
+    ps = cache_config.page_size
+    config = EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
+                          kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
+                          max_burst_steps=stream_interval if on_tokens is not None else sampling.max_tokens + 1,
+                          attention=attention, shuffle_pages=cache_config.shuffle_pages,
+                          seed=sampling.seed or 0)
+    engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
+    reqs = [engine.add_request(str(i), p, dataclasses.replace(sampling, seed=seeds[i])) for i, p in enumerate(ids)]
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
-    state = prefill_and_init(model, run, cache_config)
-    state = _burst_jit(step, params, drafter_params, state, jnp.int32(1))
-    seq_lens = np.asarray(jax.device_get(state.seq_lens))
-    ttft = watch.elapsed()
-    emitted = [0] * len(prompt_lens)
-    limit = stream_interval if on_tokens is not None else sampling.max_new_tokens + 1
-    while True:
+    emitted = [0] * b
+    first_token_s = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if first_token_s is None and all(r.output_ids for r in reqs):
+            first_token_s = watch.elapsed()
         if on_tokens is not None:
-            toks = np.asarray(jax.device_get(state.tokens))
-            new = [toks[i, prompt_lens[i] + emitted[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
-            emitted = [e + len(n) for e, n in zip(emitted, new)]
-            on_tokens(new)
-        if bool(jax.device_get(jnp.all(state.done))):
-            break
-        state = _burst_jit(step, params, drafter_params, state, jnp.int32(limit))
-        seq_lens = np.asarray(jax.device_get(state.seq_lens))
+            new = [r.output_ids[e:] for r, e in zip(reqs, emitted)]
+            if any(new):
+                emitted = [len(r.output_ids) for r in reqs]
+                on_tokens(new)
     total, compile_s = watch.elapsed(), watch.compile_s()
-    return _result(state, prompt_lens.tolist(), model.tokenizer, ttft, total, compile_s, run.method, run.k)
+    return _result(engine, reqs, first_token_s if first_token_s is not None else total, total, compile_s, k)
 
 
-def _result(state: GenState, prompt_lens, tokenizer, ttft, total, compile_s, method, k) -> GenerationResult:
-    toks, seq_lens, eos_hit, steps, active, accepted, proposed = jax.device_get(
-        (state.tokens, state.seq_lens, state.eos_hit, state.steps, state.active_steps, state.accepted,
-         state.proposed))
-    new = [toks[i, prompt_lens[i]:seq_lens[i]].tolist() for i in range(len(prompt_lens))]
+def _result(engine: LLMEngine, reqs, ttft: float, total: float, compile_s: float, k: int) -> GenerationResult:
+    new = [list(r.output_ids) for r in reqs]
     n = sum(len(t) for t in new)
-    texts = [tokenizer.decode(t, skip_special_tokens=True) for t in new] if tokenizer is not None else None
-    mean_acc = acc_pos = None
-    if method is not None and active > 0:
-        mean_acc = n / float(active)
-        acc_pos = [float(a) / float(p) if p else 0.0 for a, p in zip(accepted[:k], proposed[:k])]
+    texts = [r.text for r in reqs] if engine.tokenizer is not None else None
+    steps = sum(r.metrics.num_steps for r in reqs)
+    spec = k > 0
+    accepted = [sum(r.metrics.num_accepted_tokens_per_pos[j] for r in reqs) for j in range(k)] if spec else None
+    proposed = [sum(r.metrics.num_draft_tokens_per_pos[j] for r in reqs) for j in range(k)] if spec else None
+    reasons = ["eos" if r.finish_reason == "stop" and r.stop_reason is None else r.finish_reason for r in reqs]
     return GenerationResult(
-        token_ids=new, texts=texts, prompt_lens=list(prompt_lens),
-        finish_reasons=["eos" if e else "length" for e in eos_hit], num_tokens=n, ttft_s=ttft,
-        total_s=total, compile_s=compile_s, tokens_per_second=n / total if total > 0 else 0.0,
-        num_target_forwards=int(steps), mean_accepted_length=mean_acc, acceptance_per_position=acc_pos,
-        accepted_counts=[int(a) for a in accepted[:k]] if method else None,
-        proposed_counts=[int(p) for p in proposed[:k]] if method else None, sequence_steps=int(active),
-        spec_method=method or "none", num_speculative_tokens=k)
+        token_ids=new, texts=texts, prompt_lens=[len(r.prompt_ids) for r in reqs], finish_reasons=reasons,
+        num_tokens=n, ttft_s=ttft, total_s=total, compile_s=compile_s,
+        tokens_per_second=n / total if total > 0 else 0.0,
+        num_target_forwards=max((r.metrics.num_steps for r in reqs), default=0),
+        mean_accepted_length=(n / steps if spec and steps else None),
+        acceptance_per_position=([a / p if p else 0.0 for a, p in zip(accepted, proposed)] if spec else None),
+        accepted_counts=accepted, proposed_counts=proposed, sequence_steps=steps,
+        spec_method=(engine.spec.method if engine.spec.enabled else type(engine.drafter).__name__) if spec else "none",
+        num_speculative_tokens=k)

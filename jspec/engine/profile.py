@@ -15,9 +15,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jspec.config import CacheConfig, SamplingParams, SpecConfig
-from jspec.engine.generate import prefill_and_init, setup
-from jspec.speculative.steps import PlainStep, _burst_jit
+from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.engine.engine import LLMEngine, encode_prompt
+from jspec.speculative.steps import PlainStep
 
 
 @dataclasses.dataclass
@@ -46,22 +46,33 @@ def _time(fn, *args, repeats: int) -> float:
 def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
                  warm_steps: int = 4, repeats: int = 10, attention: str = "auto") -> StepProfile:
     """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``."""
-    cache_config = CacheConfig()
-    run = setup(model, [prompt], dataclasses.replace(sampling, max_tokens=warm_steps * (spec.num_speculative_tokens + 1) + 8),
-                spec=spec, cache_config=cache_config, attention=attention)
-    state = prefill_and_init(model, run, cache_config)
-    state = _burst_jit(run.step, model.params, run.drafter_params, state, jnp.int32(warm_steps))
-    step, sp = run.step, run.step.sampling
+    k = spec.num_speculative_tokens
+    sp = dataclasses.replace(sampling, max_tokens=warm_steps * (k + 1) + 8, ignore_eos=True)
+    ids = encode_prompt(model.tokenizer, prompt)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=_round_up(len(ids) + sp.max_tokens, 64),
+                                           max_burst_steps=warm_steps, attention=attention), spec)
+    engine.add_request("profile", ids, sp)
+    r = engine.requests["profile"]
+    while engine.has_unfinished_requests() and not r.output_ids:  # prefill, first token
+        engine.step()
+    engine.step()  # warm_steps real steps
+    state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
+    step = engine._steps[k]
 
-    propose = jax.jit(lambda dp, p, s: run.drafter.propose(dp, p, s, sp))
-    prop = propose(run.drafter_params, model.params, state)
-    verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, pr.num_drafts))
+    propose = jax.jit(lambda dp, p, s: drafter.propose(dp, p, s, s.sampling))
+    prop = propose(dparams, model.params, state)
+    num = jnp.full((1,), k, jnp.int32) if prop.num_drafts is None else jnp.minimum(prop.num_drafts, k)
+    verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None))
     whole = jax.jit(lambda p, dp, s: step(p, dp, s))
-    plain = PlainStep(step.config, sp, step.eos_ids, step.attention)
+    plain = PlainStep(step.config, step.eos_ids, step.attention)
     plain_fn = jax.jit(lambda p, s: plain(p, None, s))
     return StepProfile(
-        draft_ms=_time(propose, run.drafter_params, model.params, state, repeats=repeats),
+        draft_ms=_time(propose, dparams, model.params, state, repeats=repeats),
         verify_ms=_time(verify, model.params, state, prop, repeats=repeats),
-        step_ms=_time(whole, model.params, run.drafter_params, state, repeats=repeats),
+        step_ms=_time(whole, model.params, dparams, state, repeats=repeats),
         plain_step_ms=_time(plain_fn, model.params, state.replace(drafter=None), repeats=repeats),
-        k=run.k)
+        k=k)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m

@@ -50,7 +50,7 @@ class EagleHead(nn.Module):
         x, k, v = DecoderLayer(cfg, self.attention, name="layer")(
             x.reshape(b * t, -1), (meta,), cache.k_pages[0], cache.v_pages[0])
         feats = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x).reshape(b, t, -1)
-        lengths = cache.lengths + q_lens if rows is None else cache.lengths.at[rows].add(q_lens)
+        lengths = cache.lengths + q_lens if rows is None else cache.lengths.at[rows].add(q_lens, mode="drop")
         return feats, cache.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
 
 

@@ -90,7 +90,8 @@ class Segment(NamedTuple):
 
     tokens: jax.Array  # int32 [Bs, Ts]
     q_lens: jax.Array  # int32 [Bs]: rows t < q_lens[b] are real; the rest are padding
-    rows: Optional[jax.Array] = None  # int32 [Bs]: cache rows; None = 0 .. Bs-1 (every row)
+    rows: Optional[jax.Array] = None  # int32 [Bs]: cache rows; None = 0 .. Bs-1 (every row).
+    # A padding row (q_len 0) may name a row past the end: it is read clipped and never written.
 
 
 class _Meta(NamedTuple):  # per segment, derived from the cache before the forward
@@ -106,7 +107,8 @@ def segment_meta(seg: Segment, cache: PagedKVCache) -> _Meta:
     if seg.rows is None:
         tables, start = cache.block_tables, cache.lengths
     else:
-        tables, start = cache.block_tables[seg.rows], cache.lengths[seg.rows]
+        tables = jnp.take(cache.block_tables, seg.rows, axis=0, mode="clip")
+        start = jnp.take(cache.lengths, seg.rows, mode="clip")
     positions = start[:, None] + jnp.arange(ts, dtype=jnp.int32)[None, :]
     return _Meta((bs, ts), positions, tables, start, seg.q_lens)
 
@@ -220,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         logits = [self.head(h) if want else None for h, want in zip(hidden, logits_for)]
         lengths = cache.lengths
         for s, m in zip(segments, metas):
-            lengths = lengths + m.q_lens if s.rows is None else lengths.at[s.rows].add(m.q_lens)
+            lengths = lengths + m.q_lens if s.rows is None else lengths.at[s.rows].add(m.q_lens, mode="drop")
         cache = cache.replace(k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=lengths)
         return logits, hidden, cache
 

@@ -1,94 +1,120 @@
-"""One speculative decoding step, on the device (called inside ``lax.while_loop``).
+"""The decode steps, on the device: one plain-token step and one speculative step, and a burst
+of either inside ``lax.while_loop``.
 
-The drafter proposes, one target forward verifies, acceptance decides, the caches roll back.
-Every shape is fixed (k drafts for every sequence); sequences that are done run with q_len 0
-and change nothing.
+Both steps take the :class:`~jspec.speculative.state.DecodeState` of every slot and return the
+next one; slots that are not running take no part (q_len 0). Either step can carry a prefill
+chunk of one more slot (a :class:`~jspec.models.llama.Segment` of its prompt tokens): the chunk
+rides in the same target forward as the decode/verification rows (one pass over the weights),
+its K/V are written, the drafter digests it, and a slot whose prompt is fully in the cache
+starts decoding at the next step.
+
+The plain-token step is the autoregressive baseline and also the speculative step's branch for
+steps where no slot has a draft (n-gram lookup without a match, or every slot capped at 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jspec import sampling as sampling_lib
-from jspec.config import ModelConfig, SamplingParams
-from jspec.models.llama import forward
+from jspec.config import ModelConfig
+from jspec.models.llama import Segment, forward_segments
 from jspec.speculative.acceptance import greedy_accept, rejection_sample
-from jspec.speculative.state import GenState, commit, last_tokens, step_keys
+from jspec.speculative.state import DecodeState, commit, last_tokens, step_keys
 
-SALT_ACCEPT = 1  # step_keys salt of the acceptance draws (drafters use other salts)
+SALT_ACCEPT = 1  # step_keys salt of the token draws (drafters use other salts)
+
+
+def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeState, cache,
+                     prefill: Optional[Segment] = None, num_rows: int = 1):
+    """One target forward over the last token of every running slot (and ``prefill``).
+
+    Returns (cache, hidden [B, num_rows, H] (row 0 real, the rest zero padding), next token
+    [B], the prefill chunk's hidden states or None).
+    """
+    q_lens = (~state.done).astype(jnp.int32)
+    segments = (Segment(last_tokens(state), q_lens),) + ((prefill,) if prefill is not None else ())
+    logits, hidden, cache = forward_segments(params, config, segments, cache, attention=attention,
+                                             logits_for=(True,) + (False,) * (len(segments) - 1))
+    nxt = sampling_lib.sample(step_keys(state, SALT_ACCEPT), logits[0][:, 0], state.sampling)
+    h = jnp.pad(hidden[0], ((0, 0), (0, num_rows - 1), (0, 0)))
+    return cache, h, nxt, (hidden[1] if prefill is not None else None)
+
+
+def finish_prefill(state: DecodeState, prefill: Optional[Segment]) -> DecodeState:
+    """Slots whose whole ``prompt[:-1]`` is now in the cache start decoding."""
+    if prefill is None:
+        return state
+    rows = prefill.rows  # padding rows (q_len 0) may point past the end: read clipped, never written
+    get = lambda x: jnp.take(x, rows, mode="clip")  # noqa: E731
+    complete = (prefill.q_lens > 0) & (get(state.cache.lengths) == get(state.seq_lens) - 1)
+    return state.replace(done=state.done.at[rows].set(jnp.where(complete, False, get(state.done)), mode="drop"))
 
 
 @dataclasses.dataclass(frozen=True)
 class PlainStep:
-    """One token per target forward: the autoregressive baseline (hashable: a jit static arg)."""
+    """One token per target forward: the autoregressive baseline (hashable: a jit static arg).
+    With a stateful ``drafter`` (a plain step inside a speculative engine, when speculation is
+    turned off) the drafter still follows the committed tokens (``catch_up``)."""
 
     config: ModelConfig
-    sampling: SamplingParams
     eos_ids: tuple[int, ...]
     attention: str
+    drafter: Any = None
 
-    def __call__(self, params, drafter_params, state: GenState) -> GenState:
-        del drafter_params
-        q_lens = jnp.where(state.done, 0, 1).astype(jnp.int32)
-        out = forward(params, self.config, last_tokens(state), state.cache, q_lens,
-                      attention=self.attention)
-        keys = step_keys(state)
-        nxt = jax.vmap(lambda k, l: sampling_lib.sample(k, l, self.sampling))(keys, out.logits[:, 0])
-        state = state.replace(cache=out.cache, steps=state.steps + 1,
-                              active_steps=state.active_steps + jnp.sum(q_lens))
-        return commit(state, nxt[:, None], q_lens, self.eos_ids)
+    @property
+    def k(self) -> int:
+        return 0
 
-
-def _burst(step: Callable, params, drafter_params, state: GenState, limit) -> GenState:
-    """Run ``step`` on the device until every sequence is done or ``limit`` steps ran."""
-
-    def cond(carry):
-        s, i = carry
-        return (i < limit) & ~jnp.all(s.done)
-
-    def body(carry):
-        s, i = carry
-        return step(params, drafter_params, s), i + 1
-
-    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
-
-
-_burst_jit = jax.jit(_burst, static_argnums=0, donate_argnums=3)
-
-
+    def __call__(self, params, drafter_params, state: DecodeState, prefill: Optional[Segment] = None) -> DecodeState:
+        running = ~state.done
+        cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, state.cache,
+                                                          prefill)
+        new = state.replace(cache=cache, steps=state.steps + 1, num_steps=state.num_steps + running)
+        new = commit(new, nxt[:, None], running.astype(jnp.int32), self.eos_ids)
+        if self.drafter is not None:
+            new = new.replace(drafter=self.drafter.catch_up(drafter_params, params, state, new, hidden))
+            if prefill is not None:
+                new = new.replace(drafter=self.drafter.prefill(drafter_params, params, new.drafter, new.cache,
+                                                               prefill, pre_hidden))
+        return finish_prefill(new, prefill)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecStep:
     config: ModelConfig
-    sampling: SamplingParams
     eos_ids: tuple[int, ...]
     attention: str
-    drafter: object  # a hashable drafter (see jspec.speculative.drafters.base)
+    drafter: Any  # a hashable drafter (see jspec.speculative.drafters.base)
 
-    def __call__(self, params, drafter_params, state: GenState) -> GenState:
+    @property
+    def k(self) -> int:
+        return self.drafter.k
+
+    def __call__(self, params, drafter_params, state: DecodeState, prefill: Optional[Segment] = None) -> DecodeState:
         k = self.drafter.k
         running = ~state.done
         b = running.shape[0]
 
-        # 1. Draft: k proposals per sequence (+ their distributions q for stochastic drafters).
+        # 1. Draft: up to k proposals per slot (the drafter's real ones, capped per slot).
         with jax.named_scope("draft"):
-            prop = self.drafter.propose(drafter_params, params, state, self.sampling)
+            prop = self.drafter.propose(drafter_params, params, state, state.sampling)
+        real = jnp.full((b,), k, jnp.int32) if prop.num_drafts is None else prop.num_drafts
+        num = jnp.where(running, jnp.minimum(real, state.spec_k), 0)  # [B]
 
-        # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. A
-        #      drafter with nothing to propose for any sequence (n-gram lookup without a match)
-        #      costs a plain one-token step instead of a (k + 1)-token verification.
-        if prop.num_drafts is None:
-            cache, hidden, n, nxt = self._verify(params, state, prop, None)
+        # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. When no
+        #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification.
+        if prop.num_drafts is None:  # the drafter always proposes: a step without drafts is rare
+            cache, hidden, n, nxt, pre_hidden = self._verify(params, state, prop, num, prefill)
         else:
-            cache, hidden, n, nxt = jax.lax.cond(
-                jnp.any(running & (prop.num_drafts > 0)),
-                lambda: self._verify(params, state, prop, prop.num_drafts),
-                lambda: self._plain(params, state, prop))
+            cache, hidden, n, nxt, pre_hidden = jax.lax.cond(
+                jnp.any(num > 0),
+                lambda: self._verify(params, state, prop, num, prefill),
+                lambda: self._plain(params, state, prop, prefill))
 
         # 4. Commit d_1..d_n and the extra token; commit() cuts at EOS and the token budget and
         #    rolls the target cache back to seq_len - 1 (the K/V of rejected drafts go stale).
@@ -96,48 +122,78 @@ class SpecStep:
         drafts_pad = jnp.concatenate([prop.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
         cand = jnp.where(j < n[:, None], drafts_pad, nxt[:, None])  # [B, k + 1]
         pos = jnp.arange(k)[None, :]
-        real = k if prop.num_drafts is None else prop.num_drafts[:, None]
-        accepted = state.accepted + jnp.sum(running[:, None] & (pos < n[:, None]), axis=0)
-        proposed = state.proposed + jnp.sum(running[:, None] & (pos < real), axis=0)
-        new = state.replace(cache=cache, drafter=prop.drafter_state, steps=state.steps + 1,
-                            active_steps=state.active_steps + jnp.sum(running), accepted=accepted,
-                            proposed=proposed)
+        new = state.replace(
+            cache=cache, drafter=prop.drafter_state, steps=state.steps + 1, num_steps=state.num_steps + running,
+            num_drafts=state.num_drafts + (num > 0),
+            accepted=state.accepted.at[:, :k].add((running[:, None] & (pos < n[:, None])).astype(jnp.int32)),
+            proposed=state.proposed.at[:, :k].add((pos < num[:, None]).astype(jnp.int32)))
         new = commit(new, cand, n + 1, self.eos_ids)
 
-        # 5. The drafter catches up with what was committed (its own cache rollback, features).
+        # 5. The drafter catches up with what was committed (its own rollback, true features)
+        #    and digests the prefill chunk.
         with jax.named_scope("draft_observe"):
-            return new.replace(drafter=self.drafter.observe(drafter_params, params, state, new, hidden, n))
+            dstate = self.drafter.observe(drafter_params, params, state, new, hidden, n)
+            if prefill is not None:
+                dstate = self.drafter.prefill(drafter_params, params, dstate, new.cache, prefill, pre_hidden)
+        return finish_prefill(new.replace(drafter=dstate), prefill)
 
-    def _verify(self, params, state: GenState, prop, num_drafts):
+    def _verify(self, params, state: DecodeState, prop, num, prefill):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
         their K/V at positions seq_len - 1 ..; acceptance picks n and the extra token."""
-        k = self.drafter.k
         with jax.named_scope("verify"):
-            real = k if num_drafts is None else num_drafts
-            q_lens = jnp.where(state.done, 0, real + 1).astype(jnp.int32)
+            q_lens = jnp.where(state.done, 0, num + 1).astype(jnp.int32)
             inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
-            out = forward(params, self.config, inp, prop.target_cache, q_lens, attention=self.attention)
+            segments = (Segment(inp, q_lens),) + ((prefill,) if prefill is not None else ())
+            logits, hidden, cache = forward_segments(params, self.config, segments, prop.target_cache,
+                                                     attention=self.attention,
+                                                     logits_for=(True,) + (False,) * (len(segments) - 1))
+            logits = logits[0]  # [B, k + 1, V]
         with jax.named_scope("accept"):
-            if self.sampling.greedy:
-                n, nxt = greedy_accept(prop.drafts, out.logits, num_drafts)
-            else:
-                p = sampling_lib.probs(out.logits, self.sampling)  # [B, k + 1, V]
-                q = prop.draft_probs if prop.draft_probs is not None else jax.nn.one_hot(
-                    prop.drafts, p.shape[-1], dtype=p.dtype)  # deterministic drafter: one-hot q
-                n, nxt = rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p, num_drafts)
-        return out.cache, out.hidden, n, nxt
+            rs = state.sampling
 
-    def _plain(self, params, state: GenState, prop):
+            def greedy(_):
+                return greedy_accept(prop.drafts, logits, num)
+
+            def sampled(_):
+                p = sampling_lib.probs(logits, rs)  # [B, k + 1, V]
+                if prop.draft_logits is None:  # deterministic drafter: one-hot q
+                    q = jax.nn.one_hot(prop.drafts, p.shape[-1], dtype=p.dtype)
+                else:
+                    q = sampling_lib.probs(prop.draft_logits, rs)
+                return rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p, num)
+
+            n, nxt = jax.lax.cond(jnp.all(rs.greedy | state.done), greedy, sampled, None)
+        return cache, hidden[0], n, nxt, (hidden[1] if prefill is not None else None)
+
+    def _plain(self, params, state: DecodeState, prop, prefill):
         """No drafts anywhere: one token from the target, as plain decoding would do."""
-        k = self.drafter.k
-        q_lens = (~state.done).astype(jnp.int32)
-        out = forward(params, self.config, last_tokens(state), prop.target_cache, q_lens, attention=self.attention)
-        logits = out.logits[:, 0]
-        if self.sampling.greedy:
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        else:
-            p = sampling_lib.probs(logits, self.sampling)
-            nxt = jax.vmap(sampling_lib.sample_from_probs)(
-                jax.vmap(lambda kk: jax.random.split(kk)[1])(step_keys(state, SALT_ACCEPT)), p)
-        hidden = jnp.pad(out.hidden, ((0, 0), (0, k), (0, 0)))  # the verify branch's shape
-        return out.cache, hidden, jnp.zeros_like(q_lens), nxt
+        cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state,
+                                                          prop.target_cache, prefill, num_rows=self.drafter.k + 1)
+        return cache, hidden, jnp.zeros_like(nxt), nxt, pre_hidden
+
+
+def burst(step, params, drafter_params, state: DecodeState, prefill: Optional[Segment], limit,
+          stop_on_finish) -> DecodeState:
+    """Run ``step`` on the device: one step carrying ``prefill`` when there is a chunk, else
+    until every slot is done, ``limit`` steps ran, or (with ``stop_on_finish``) a slot that was
+    running has finished, so the host can hand its slot to a waiting request. (A prefill step
+    runs alone: one compiled copy of the step per variant, and the host hears at once of a
+    prompt that is ready.)"""
+    if prefill is not None:
+        return step(params, drafter_params, state, prefill)
+    was_running = ~state.done
+    i0 = jnp.int32(0)
+
+    def cond(carry):
+        s, i = carry
+        finished = jnp.any(was_running & s.done)
+        return (i < limit) & ~jnp.all(s.done) & ~(stop_on_finish & finished)
+
+    def body(carry):
+        s, i = carry
+        return step(params, drafter_params, s), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, i0))[0]
+
+
+burst_jit = jax.jit(burst, static_argnums=0, donate_argnums=3)

@@ -1,18 +1,28 @@
 """The drafter interface: drafters only propose.
 
-A drafter is a frozen, hashable dataclass (a static argument of the jitted decode loop); its
-parameters, if any, travel separately as a pytree, and its changing state lives in
-``GenState.drafter``. It never decides acceptance and never owns the target's buffers: the
-layer-skip drafter may write the K/V of the target's first layers (identical to what the
-target writes for them), and hands the cache back for verification.
+A drafter is a frozen, hashable dataclass (a static argument of the jitted steps) with ``k``,
+the most drafts it proposes per step; its parameters, if any, travel separately as a pytree,
+and its changing state lives in ``DecodeState.drafter``. It never decides acceptance and never
+owns the target's buffers: the layer-skip drafter may write the K/V of the target's first
+layers (identical to what the target writes for them) and hands the cache back for
+verification. Drafters with caches of their own (a draft model, an EAGLE head) keep their
+pages in the same pool geometry as the target and use the target's block tables, so a slot's
+pages (and a prefix-cache hit's shared pages) mean the same positions for both.
 
-    init(target_params, drafter_params, tokens, prompt_lens, state, cache_config, prefill_hidden)
-        -> drafter state. Host side, after the target's prefill; ``prefill_hidden`` [B, N, H]
-        holds the target's final hidden states of ``prompt[:-1]`` (EAGLE heads need them).
-    propose(drafter_params, target_params, state, sampling) -> Proposal      (jitted)
-    observe(drafter_params, target_params, prev_state, state, verify_hidden, num_accepted)
-        -> drafter state, after acceptance was committed (``prev_state`` is the state the step
-        started from): roll back the drafter's own cache, keep the target's features.
+Every slot's drafter state follows the target: admitted at the length of its cached prefix,
+prefilled chunk by chunk in the same steps as the target, and after each step back at
+``seq_len - 1`` like the target cache. The methods (all pure; the engine jits them):
+
+    init_state(target_params, drafter_params, cache) -> state      for an empty engine
+    admit(state, mask [B], start [B], cache) -> state              slots restarting at ``start``
+    prefill(drafter_params, target_params, dstate, tables_cache, segment, hidden) -> state
+        a prefill chunk of some slots (``segment`` rows/tokens/q_lens; ``hidden`` [P, T, H]:
+        the target's final hidden states of those tokens)
+    propose(drafter_params, target_params, state, sampling) -> Proposal
+    observe(drafter_params, target_params, prev_state, state, verify_hidden, num_accepted) -> state
+        after a speculative step committed (``prev_state``: the state the step started from)
+    catch_up(drafter_params, target_params, prev_state, state, hidden) -> state
+        after a plain one-token step (no proposal ran): stay in step with the target
 """
 
 from __future__ import annotations
@@ -20,13 +30,15 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
+from jspec import sampling as sampling_lib
 from jspec.cache.paged import PagedKVCache
 
 
 class Proposal(NamedTuple):
     drafts: jax.Array  # int32 [B, k]
-    draft_probs: Optional[jax.Array]  # [B, k, V] q distributions, or None (deterministic drafter)
+    draft_logits: Optional[jax.Array]  # float32 [B, k, V]: the draft's raw distributions, or None (deterministic drafter)
     drafter_state: Any
     target_cache: PagedKVCache  # the target cache to verify on (unchanged except layer-skip)
     num_drafts: Optional[jax.Array] = None  # int32 [B]: real drafts (<= k); None = k for all
@@ -35,42 +47,52 @@ class Proposal(NamedTuple):
 class StatelessDrafter:
     """Mixin for drafters without state of their own."""
 
-    def init(self, target_params, drafter_params, tokens, prompt_lens, state, cache_config, prefill_hidden=None):
+    def init_state(self, target_params, drafter_params, cache):
         return None
+
+    def admit(self, dstate, mask, start, cache):
+        return dstate
+
+    def prefill(self, drafter_params, target_params, dstate, cache, segment, hidden):
+        return dstate
 
     def observe(self, drafter_params, target_params, prev_state, state, verify_hidden, num_accepted):
         return state.drafter
 
+    def catch_up(self, drafter_params, target_params, prev_state, state, hidden):
+        return state.drafter
 
-def sample_chain(step_fn, cache, first_logits: jax.Array, keys: jax.Array, k: int, sampling):
+
+def cache_view(target_cache: PagedKVCache, k_pages, v_pages, lengths) -> PagedKVCache:
+    """A drafter's pages seen through the target's block tables."""
+    return PagedKVCache(tuple(k_pages), tuple(v_pages), target_cache.block_tables, lengths)
+
+
+def sample_chain(step_fn, carry, first_logits: jax.Array, keys: jax.Array, k: int, sampling):
     """Draft k tokens autoregressively from ``first_logits`` [B, V] (the distribution of d_1).
 
     ``step_fn(tokens [B, 1], carry) -> (logits [B, V], carry)`` runs the draft one token
     further (``carry`` is its cache, or any pytree); it runs k - 1 times inside ``lax.scan``
-    (traced once, whatever k is). Returns (drafts int32 [B, k], q [B, k, V] or None when greedy,
-    carry).
+    (traced once, whatever k is). Each row samples with its own parameters (argmax for greedy
+    rows). Returns (drafts int32 [B, k], logits float32 [B, k, V], carry).
     """
-    import jax.numpy as jnp
-
-    from jspec import sampling as sampling_lib
 
     def pick(j, logits):
         sub = jax.vmap(lambda kk: jax.random.fold_in(kk, j))(keys)
-        tok = jax.vmap(lambda kk, l: sampling_lib.sample(kk, l, sampling))(sub, logits)
-        return tok, (None if sampling.greedy else sampling_lib.probs(logits, sampling))
+        return sampling_lib.sample(sub, logits, sampling), logits.astype(jnp.float32)
 
-    d0, q0 = pick(0, first_logits)
+    d0, l0 = pick(0, first_logits)
 
-    def body(carry, j):
-        tok, c = carry
-        logits, c = step_fn(tok[:, None], c)
-        d, q = pick(j, logits)
-        return (d, c), (d, q)
+    def body(c, j):
+        tok, inner = c
+        logits, inner = step_fn(tok[:, None], inner)
+        d, lg = pick(j, logits)
+        return (d, inner), (d, lg)
 
-    (_, cache), (ds, qs) = jax.lax.scan(body, (d0, cache), jnp.arange(1, k))
+    (_, carry), (ds, ls) = jax.lax.scan(body, (d0, carry), jnp.arange(1, k))
     drafts = jnp.concatenate([d0[:, None], ds.T], axis=1).astype(jnp.int32)  # [B, k]
-    q = None if sampling.greedy else jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
-    return drafts, q, cache
+    logits = jnp.concatenate([l0[:, None], jnp.swapaxes(ls, 0, 1)], axis=1)  # [B, k, V]
+    return drafts, logits, carry
 
 
 def draft_vocab_logits(hidden: jax.Array, head: jax.Array, vocab_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -81,8 +103,6 @@ def draft_vocab_logits(hidden: jax.Array, head: jax.Array, vocab_ids: jax.Array,
     reads a V'/V share of the LM head per token. Tokens outside it get ``-inf``: never drafted,
     q = 0 there, which rejection sampling handles exactly (the target still emits them).
     """
-    import jax.numpy as jnp
-
     small = jnp.einsum("bh,vh->bv", hidden, head, preferred_element_type=jnp.float32)  # [B, V']
     full = jnp.full((hidden.shape[0], vocab_size), -jnp.inf, jnp.float32)
     return full.at[:, vocab_ids].set(small)

@@ -1,13 +1,15 @@
 """A separate draft model (any Llama-family checkpoint sharing the target's vocabulary).
 
-The draft keeps its own paged cache (same page geometry and block tables as the target's,
-separate arrays) and stays in step with the committed tokens:
+The draft keeps its own pages (the target's pool geometry, its own arrays) read through the
+target's block tables, and per slot a length that follows the committed tokens:
 
-- after prefill it holds K/V for ``prompt[:-1]`` (like the target: ``lengths == seq_len - 1``);
+- admitted at the length of the slot's cached prefix, prefilled chunk by chunk with the target
+  (so it holds K/V for ``prompt[:-1]``, ``lengths == seq_len - 1``, like the target);
 - ``propose`` first feeds the tokens it has not seen yet -- 1, or 2 when the previous step
   accepted all k drafts, since d_k itself was never fed -- as one forward with q_len 1 or 2,
   then drafts k tokens, feeding d_1..d_{k-1} back (k draft forwards in all);
-- ``observe`` rolls its cache back to the committed text: ``min(lengths, seq_len - 1)``.
+- ``observe`` rolls it back to the committed text: ``min(lengths, seq_len - 1)``;
+- ``catch_up`` after a plain step feeds what it has not seen, back to ``seq_len - 1``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
-from jspec.models.llama import forward
-from jspec.models.prefill import prefill
-from jspec.speculative.drafters.base import Proposal, draft_vocab_logits, sample_chain
-from jspec.speculative.state import GenState, step_keys
+from jspec.models.llama import Segment, forward_segments
+from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, sample_chain
+from jspec.speculative.state import DecodeState, step_keys
 
 SALT_DRAFT = 200
 
@@ -30,7 +30,9 @@ SALT_DRAFT = 200
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftModelState:
-    cache: PagedKVCache  # the draft's own cache; lengths[b] in {seq_len - 2, seq_len - 1}
+    k_pages: tuple[jax.Array, ...]  # per draft layer [KVH', P, S, D']
+    v_pages: tuple[jax.Array, ...]
+    lengths: jax.Array  # int32 [B]: in {seq_len - 2, seq_len - 1} for running slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,44 +49,62 @@ class DraftModelDrafter:
     def _model(self, dparams):
         return dparams["model"] if self.draft_vocab else dparams
 
-    def _forward(self, dparams, tokens, cache, q_lens, row):
+    def _view(self, dstate: DraftModelState, target_cache, lengths=None):
+        return cache_view(target_cache, dstate.k_pages, dstate.v_pages, dstate.lengths if lengths is None else lengths)
+
+    def _forward(self, dparams, tokens, cache, q_lens, row, rows=None):
         """Draft forward; logits [B, V] of row ``row`` [B] (full vocabulary, -inf outside the
-        draft vocabulary)."""
-        out = forward(self._model(dparams), self.config, tokens, cache, q_lens, attention=self.attention,
-                      compute_logits=not self.draft_vocab)
+        draft vocabulary), and the new cache."""
+        (logits,), (hidden,), cache = forward_segments(
+            self._model(dparams), self.config, (Segment(tokens, q_lens, rows),), cache,
+            attention=self.attention, logits_for=(not self.draft_vocab,))
         if self.draft_vocab:
-            h = jnp.take_along_axis(out.hidden, row[:, None, None], axis=1)[:, 0]
-            logits = draft_vocab_logits(h, dparams["lm_head"], dparams["vocab_ids"], self.config.vocab_size)
-        else:
-            logits = jnp.take_along_axis(out.logits, row[:, None, None], axis=1)[:, 0]
-        return logits, out.cache
+            h = jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0]
+            return draft_vocab_logits(h, dparams["lm_head"], dparams["vocab_ids"], self.config.vocab_size), cache
+        return jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0], cache
 
-    def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config,
-             prefill_hidden=None):
+    def init_state(self, target_params, drafter_params, cache) -> DraftModelState:
         c = self.config
-        tc = state.cache
-        cache = init_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.copy(tc.block_tables), tc.num_pages,
-                           tc.page_size, jnp.dtype(c.dtype))
-        cache = prefill(self._model(drafter_params), c, tokens, prompt_lens, cache, cache_config, self.attention)
-        return DraftModelState(cache)
+        shape = (c.num_kv_heads, cache.num_pages, cache.page_size, c.head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))  # noqa: E731
+        return DraftModelState(zeros(), zeros(), jnp.zeros_like(cache.lengths))
 
-    def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
-        running = ~state.done
-        cache = state.drafter.cache
-        pending = state.seq_lens - cache.lengths  # 1 or 2 tokens the draft has not seen
+    def admit(self, dstate: DraftModelState, mask, start, cache) -> DraftModelState:
+        return dataclasses.replace(dstate, lengths=jnp.where(mask, start, dstate.lengths))
+
+    def prefill(self, drafter_params, target_params, dstate, cache, segment, hidden):
+        _, out = self._forward(drafter_params, segment.tokens, self._view(dstate, cache), segment.q_lens,
+                               jnp.zeros_like(segment.q_lens), segment.rows)
+        return DraftModelState(out.k_pages, out.v_pages, out.lengths)
+
+    def _feed_pending(self, dparams, state: DecodeState, seq_lens, running):
+        """Feed tokens [lengths, seq_lens - 1] (1 or 2 of them) of running slots; returns (logits
+        after the last one [B, V], cache)."""
+        cache = self._view(state.drafter, state.cache)
+        pending = jnp.where(running, seq_lens - cache.lengths, 0)
         idx = jnp.minimum(cache.lengths[:, None] + jnp.arange(2)[None, :], state.tokens.shape[1] - 1)
         inp = jnp.take_along_axis(state.tokens, idx, axis=1)  # [B, 2]
-        first, cache = self._forward(drafter_params, inp, cache, jnp.where(running, pending, 0),
-                                     jnp.maximum(pending - 1, 0))  # logits of d_1 [B, V]
+        return self._forward(dparams, inp, cache, pending, jnp.maximum(pending - 1, 0))
+
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        running = ~state.done
+        first, cache = self._feed_pending(drafter_params, state, state.seq_lens, running)  # logits of d_1
         one = running.astype(jnp.int32)
         zero = jnp.zeros_like(one)
 
         def step(tok, c):
             return self._forward(drafter_params, tok, c, one, zero)
 
-        drafts, q, cache = sample_chain(step, cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
-        return Proposal(drafts, q, DraftModelState(cache), state.cache)
+        drafts, logits, cache = sample_chain(step, cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
+        return Proposal(drafts, logits, DraftModelState(cache.k_pages, cache.v_pages, cache.lengths), state.cache)
 
-    def observe(self, drafter_params, target_params, prev_state, state: GenState, verify_hidden, num_accepted):
-        cache = state.drafter.cache
-        return DraftModelState(cache.replace(lengths=jnp.minimum(cache.lengths, state.seq_lens - 1)))
+    def observe(self, drafter_params, target_params, prev_state, state: DecodeState, verify_hidden, num_accepted):
+        d = state.drafter
+        ran = ~prev_state.done
+        return dataclasses.replace(d, lengths=jnp.where(ran, jnp.minimum(d.lengths, state.seq_lens - 1), d.lengths))
+
+    def catch_up(self, drafter_params, target_params, prev_state, state: DecodeState, hidden):
+        ran = ~prev_state.done
+        # feed up to the new last token's predecessor: seq_len - 1 - lengths tokens (1 or 2)
+        _, cache = self._feed_pending(drafter_params, state, state.seq_lens - 1, ran)
+        return DraftModelState(cache.k_pages, cache.v_pages, cache.lengths)

@@ -1,31 +1,32 @@
 """EAGLE-style feature-level drafting (see :mod:`jspec.models.eagle` for the head).
 
-State: the head's own one-layer paged cache (same page geometry as the target's) whose entry
-t was computed from (token_t, f_{t-1}) with the target's *true* feature, for t < seq_len - 1,
-and ``last_feature`` = f_{seq_len - 2}, the input that goes with the pending last token.
+State: the head's own one-layer pages (the target's pool geometry, read through the target's
+block tables) whose entry t was computed from (token_t, f_{t-1}) with the target's *true*
+feature, for t < seq_len - 1; per slot ``last_feature`` = f_{seq_len - 2}, the input that goes
+with the pending last token; per page the feature at its last slot (``page_feature``), so a
+slot that starts from a prefix-cache hit continues from the true feature before its first
+uncached token instead of from garbage.
 
-- ``init``: entries 0 .. prompt_len - 2 from the target's prefill hidden states (f_{-1} = 0);
+- ``prefill``: entries of a prompt chunk from the target's hidden states of that chunk;
 - ``propose``: entry seq_len - 1 from (last token, last_feature) gives f^ and d_1; then k - 1
   more entries chain on predicted features (d_j, f^);
-- ``observe``: the verification pass computed the true features of [last, d_1..d_k]; the n
+- ``observe``: the verification pass computed the true features of [last, d_1..d_k]; the
   entries built on predicted features for the tokens now committed are recomputed with true
   ones, the rest rolled back, and ``last_feature`` becomes the true feature before the new
-  pending token.
+  pending token; ``catch_up`` does the same after a plain one-token step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
 from jspec.models.eagle import eagle_forward
-from jspec.speculative.drafters.base import Proposal, draft_vocab_logits, sample_chain
-from jspec.speculative.state import GenState, last_tokens, step_keys
+from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, sample_chain
+from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
 SALT_DRAFT = 300
 
@@ -33,18 +34,15 @@ SALT_DRAFT = 300
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EagleState:
-    cache: PagedKVCache  # the head's one-layer cache; lengths == seq_len - 1
+    k_pages: tuple[jax.Array]  # the head's one layer [KVH, P, S, D]
+    v_pages: tuple[jax.Array]
+    lengths: jax.Array  # int32 [B]: == seq_len - 1 for running slots
     last_feature: jax.Array  # [B, H]: the target's feature f_{seq_len - 2}
+    page_feature: jax.Array  # [P, H]: the target's feature at the last slot of each prefilled page
 
 
 def _embed(target_params, tokens):
     return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "attention"))
-def _head_prefill(head_params, target_params, tokens, hidden, cache, q_lens, *, config, attention):
-    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)  # f_{t-1}
-    return eagle_forward(head_params, config, _embed(target_params, tokens), prev, cache, q_lens, attention)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,23 +50,46 @@ class EagleDrafter:
     k: int
     config: ModelConfig  # the target's
     attention: str = "reference"
-    needs_prefill_hidden = True  # class attribute: generate() hands init the prefill features
 
-    def init(self, target_params, drafter_params, tokens, prompt_lens, state: GenState, cache_config,
-             prefill_hidden=None):
-        c, tc = self.config, state.cache
-        b = tokens.shape[0]
-        cache = init_cache(1, c.num_kv_heads, c.head_dim, jnp.copy(tc.block_tables), tc.num_pages,
-                           tc.page_size, jnp.dtype(c.dtype))
-        n = 0 if prefill_hidden is None else prefill_hidden.shape[1]
-        last = jnp.zeros((b, c.hidden_size), jnp.dtype(c.dtype))
-        if n > 0:
-            q_lens = jnp.asarray(prompt_lens - 1, jnp.int32)
-            cache = _head_prefill(drafter_params["head"], target_params, jnp.asarray(tokens[:, :n]),
-                                  prefill_hidden, cache, q_lens, config=c, attention=self.attention)
-            idx = jnp.maximum(q_lens - 1, 0)
-            last = jnp.where((q_lens > 0)[:, None], prefill_hidden[jnp.arange(b), idx], 0.0)
-        return EagleState(cache, last)
+    def _view(self, d: EagleState, target_cache, lengths=None):
+        return cache_view(target_cache, d.k_pages, d.v_pages, d.lengths if lengths is None else lengths)
+
+    def init_state(self, target_params, drafter_params, cache) -> EagleState:
+        c = self.config
+        shape = (c.num_kv_heads, cache.num_pages, cache.page_size, c.head_dim)
+        dtype = jnp.dtype(c.dtype)
+        b = cache.lengths.shape[0]
+        return EagleState((jnp.zeros(shape, dtype),), (jnp.zeros(shape, dtype),), jnp.zeros_like(cache.lengths),
+                          jnp.zeros((b, c.hidden_size), dtype), jnp.zeros((cache.num_pages, c.hidden_size), dtype))
+
+    def admit(self, d: EagleState, mask, start, cache) -> EagleState:
+        """A slot restarting at ``start`` (a prefix-cache hit covers positions < start): its
+        previous feature f_{start - 1} is the one stored with the last cached page."""
+        ps = cache.page_size
+        page = jnp.take_along_axis(cache.block_tables, jnp.maximum(start - 1, 0)[:, None] // ps, axis=1)[:, 0]
+        feat = jnp.where((start > 0)[:, None], d.page_feature[page], 0.0)
+        return dataclasses.replace(d, lengths=jnp.where(mask, start, d.lengths),
+                                   last_feature=jnp.where(mask[:, None], feat, d.last_feature))
+
+    def prefill(self, drafter_params, target_params, d: EagleState, cache, segment, hidden):
+        rows, q_lens = segment.rows, segment.q_lens
+        p, t = segment.tokens.shape
+        hidden = hidden.astype(d.last_feature.dtype)
+        old_last = jnp.take(d.last_feature, rows, axis=0, mode="clip")  # padding rows (past the end) clip
+        prev = jnp.concatenate([old_last[:, None], hidden[:, :-1]], axis=1)  # f_{pos - 1}
+        _, head_cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, segment.tokens),
+                                      prev, self._view(d, cache), q_lens, self.attention, rows=rows)
+        last = jnp.take_along_axis(hidden, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+        last_feature = d.last_feature.at[rows].set(jnp.where((q_lens > 0)[:, None], last, old_last), mode="drop")
+        # remember the feature at the last slot of each page this chunk completes
+        ps = cache.page_size
+        pos = jnp.take(d.lengths, rows, mode="clip")[:, None] + jnp.arange(t)[None, :]  # [P, T]
+        ends = (pos % ps == ps - 1) & (jnp.arange(t)[None, :] < q_lens[:, None])
+        page = jnp.take_along_axis(jnp.take(cache.block_tables, rows, axis=0, mode="clip"), pos // ps, axis=1,
+                                   mode="clip")
+        page = jnp.where(ends, page, d.page_feature.shape[0])  # out of range: dropped
+        page_feature = d.page_feature.at[page.reshape(-1)].set(hidden.reshape(p * t, -1), mode="drop")
+        return EagleState(head_cache.k_pages, head_cache.v_pages, head_cache.lengths, last_feature, page_feature)
 
     def _step(self, dparams, target_params, q_lens):
         c = self.config
@@ -82,28 +103,42 @@ class EagleDrafter:
 
         return step
 
-    def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        d = state.drafter
         step = self._step(drafter_params, target_params, (~state.done).astype(jnp.int32))
-        first, carry = step(last_tokens(state), (state.drafter.cache, state.drafter.last_feature))
-        drafts, q, (cache, _) = sample_chain(step, carry, first, step_keys(state, SALT_DRAFT), self.k, sampling)
-        return Proposal(drafts, q, EagleState(cache, state.drafter.last_feature), state.cache)
+        first, carry = step(last_tokens(state), (self._view(d, state.cache), d.last_feature))
+        drafts, logits, (cache, _) = sample_chain(step, carry, first, step_keys(state, SALT_DRAFT), self.k, sampling)
+        return Proposal(drafts, logits, dataclasses.replace(d, k_pages=cache.k_pages, v_pages=cache.v_pages,
+                                                            lengths=cache.lengths), state.cache)
 
-    def observe(self, drafter_params, target_params, prev_state: GenState, state: GenState, verify_hidden,
-                num_accepted):
-        k, b = self.k, verify_hidden.shape[0]
+    def _recompute(self, drafter_params, target_params, prev_state, state, feats, base_shift: int):
+        """Recompute head entries from ``base`` = prev seq_len - ``base_shift`` up to the new
+        seq_len - 2 with the target's true features ``feats`` [B, M, H] (f_{base - 1} first)."""
+        d = state.drafter
         ran = ~prev_state.done
-        old = prev_state.seq_lens
-        committed = state.seq_lens - old  # n + 1, less when cut at EOS or the budget
-        redo = jnp.where(ran, jnp.maximum(committed - 1, 0), 0)  # entries old .. seq_len - 2
-        cache = state.drafter.cache
-        cache = cache.replace(lengths=jnp.where(ran, old, cache.lengths))  # entry old - 1 is true
-        idx = jnp.minimum(old[:, None] + jnp.arange(k)[None, :], state.tokens.shape[1] - 1)
-        toks = jnp.take_along_axis(state.tokens, idx, axis=1)  # the committed drafts d_1..
+        base = prev_state.seq_lens - base_shift
+        todo = jnp.where(ran, state.seq_lens - 1 - base, 0)
+        m = feats.shape[1]
+        idx = jnp.minimum(base[:, None] + jnp.arange(m)[None, :], state.tokens.shape[1] - 1)
+        toks = jnp.take_along_axis(state.tokens, idx, axis=1)
+        view = self._view(d, state.cache, jnp.where(ran, base, d.lengths))
         _, cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, toks),
-                                 verify_hidden[:, :k], cache, redo, self.attention)
-        new_last = verify_hidden[jnp.arange(b), jnp.maximum(committed - 1, 0)]
-        last = jnp.where((ran & (committed > 0))[:, None], new_last, state.drafter.last_feature)
-        return EagleState(cache, last.astype(state.drafter.last_feature.dtype))
+                                 feats.astype(d.last_feature.dtype), view, todo, self.attention)
+        # the new last feature f_{seq_len - 2} sits at feats index seq_len - 1 - base
+        new_last = jnp.take_along_axis(feats, jnp.clip(todo, 0, m - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where((ran & (state.seq_lens > prev_state.seq_lens))[:, None], new_last, d.last_feature)
+        return dataclasses.replace(d, k_pages=cache.k_pages, v_pages=cache.v_pages, lengths=cache.lengths,
+                                   last_feature=last.astype(d.last_feature.dtype))
+
+    def observe(self, drafter_params, target_params, prev_state, state: DecodeState, verify_hidden, num_accepted):
+        # propose already built entry seq_len - 1 from true inputs; entries seq_len .. are
+        # rebuilt from the verification pass's true features (verify_hidden[:, j] = f_{seq_len-1+j})
+        return self._recompute(drafter_params, target_params, prev_state, state, verify_hidden, 0)
+
+    def catch_up(self, drafter_params, target_params, prev_state, state: DecodeState, hidden):
+        # no proposal ran: build entry seq_len - 1 from (last token, f_{seq_len - 2}) as well
+        feats = jnp.concatenate([prev_state.drafter.last_feature[:, None].astype(hidden.dtype), hidden], axis=1)
+        return self._recompute(drafter_params, target_params, prev_state, state, feats, 1)
 
 
 def make_eagle_drafter(spec, target, attention: str = "reference"):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jspec.config import ModelConfig
 from jspec.models.llama import forward
 from jspec.speculative.drafters.base import Proposal, StatelessDrafter, sample_chain
-from jspec.speculative.state import GenState, last_tokens, step_keys
+from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
 SALT_DRAFT = 100
 
@@ -29,7 +29,7 @@ class LayerSkipDrafter(StatelessDrafter):
     num_layers: int
     attention: str = "reference"
 
-    def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         q_lens = (~state.done).astype(jnp.int32)
 
         def step(tok, cache):
@@ -38,5 +38,5 @@ class LayerSkipDrafter(StatelessDrafter):
             return out.logits[:, -1], out.cache
 
         first, cache = step(last_tokens(state), state.cache)
-        drafts, q, cache = sample_chain(step, cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
-        return Proposal(drafts, q, state.drafter, cache.replace(lengths=state.cache.lengths))
+        drafts, logits, cache = sample_chain(step, cache, first, step_keys(state, SALT_DRAFT), self.k, sampling)
+        return Proposal(drafts, logits, state.drafter, cache.replace(lengths=state.cache.lengths))

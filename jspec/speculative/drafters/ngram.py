@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.speculative.drafters.base import Proposal, StatelessDrafter
-from jspec.speculative.state import GenState
+from jspec.speculative.state import DecodeState
 
 
 def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int):
@@ -46,7 +46,7 @@ class NgramDrafter(StatelessDrafter):
     n_max: int = 4
     n_min: int = 1
 
-    def propose(self, drafter_params, target_params, state: GenState, sampling) -> Proposal:
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         drafts, num = jax.vmap(lambda t, s: ngram_propose(t, s, self.k, self.n_max, self.n_min))(
             state.tokens, state.seq_lens)
         return Proposal(drafts.astype(jnp.int32), None, state.drafter, state.cache, num)

@@ -1,0 +1,221 @@
+"""``jspec generate``: one or many prompts through the engine.
+
+    jspec generate PROMPT [PROMPT ...] | --prompts-file FILE   [sampling options] [engine options]
+
+One prompt streams its text to stdout; several run together (continuous batching) with a
+progress bar on stderr and print each completion in prompt order. ``--json`` prints one JSON
+object per request (JSON Lines). ``--prompts-file`` reads one prompt per line, or JSON Lines
+whose objects hold ``"prompt"`` and any per-request sampling field (``max_tokens``,
+``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``,
+``num_speculative_tokens``) overriding the command-line values. A summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+PER_REQUEST_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
+                      "num_speculative_tokens")
+
+
+def add_generate_parser(sub, default_model: str, attention_choices) -> None:
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*", help="raw prompt text (use --chat to wrap it in the chat template)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with per-request sampling fields")
+    g.add_argument("--model", default=default_model, help=f"name or path (default {default_model})")
+    g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None, help="default: the prompt's index")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
+    g.add_argument("--spec", default="none",
+                   help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH (default none)")
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="drafts per step (default 4)")
+    g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--page-size", type=int, default=16)
+    g.set_defaults(func=cmd_generate)
+
+
+def read_prompts_file(path: str) -> list[dict]:
+    """Requests of a prompts file: [{"prompt": str, <sampling overrides>}, ...]."""
+    from jspec.errors import ConfigError, PromptError
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"{path}: cannot read prompts file ({e.__class__.__name__}: {e})") from None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise PromptError(f"{path}: no prompts")
+    jsonl = p.suffix == ".jsonl" or lines[0].lstrip().startswith("{")
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if not jsonl:
+            out.append({"prompt": ln})
+            continue
+        try:
+            obj = json.loads(ln)
+        except ValueError as e:
+            raise PromptError(f"{path}:{i}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise PromptError(f"{path}:{i}: each line must be an object with a string 'prompt'")
+        unknown = sorted(set(obj) - {"prompt", *PER_REQUEST_FIELDS})
+        if unknown:
+            raise ConfigError(f"{path}:{i}: unknown fields {unknown} (known: prompt, {', '.join(PER_REQUEST_FIELDS)})")
+        out.append(obj)
+    return out
+
+
+def _stream_printer(tokenizer):
+    """Print text as tokens arrive, holding back incomplete multi-byte characters."""
+    state = {"ids": [], "printed": 0}
+
+    def on_tokens(new_ids):
+        state["ids"].extend(new_ids)
+        text = tokenizer.decode(state["ids"], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[state["printed"]:])
+        sys.stdout.flush()
+        state["printed"] = len(text)
+
+    return on_tokens
+
+
+def cmd_generate(args) -> int:
+    import jspec
+    from jspec.cli import enable_compile_cache, parse_spec
+    from jspec.config import EngineConfig, SamplingParams
+    from jspec.engine.engine import LLMEngine
+    from jspec.timing import Stopwatch
+
+    # every check that needs no model runs before the model loads
+    if args.num_speculative_tokens is not None and args.spec == "none":
+        raise jspec.ConfigError("-k/--num-speculative-tokens needs --spec (for example --spec ngram)")
+    spec = parse_spec(args.spec, 4 if args.num_speculative_tokens is None else args.num_speculative_tokens)
+    if args.dynamic_k:
+        if not spec.enabled:
+            raise jspec.ConfigError("--dynamic-k needs --spec")
+        spec = dataclasses.replace(spec, dynamic_k=True)
+    if bool(args.prompt) == bool(args.prompts_file):
+        raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
+    items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
+    if any(not it["prompt"] for it in items):
+        raise jspec.PromptError("prompt is empty")
+    base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = []
+    for i, it in enumerate(items):
+        over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}
+        sp = dataclasses.replace(base, **over)
+        params.append(sp if sp.seed is not None else dataclasses.replace(sp, seed=i))
+    n = len(items)
+    seqs = args.max_num_seqs or min(n, 32)
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    config = EngineConfig(
+        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
+        kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
+        enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
+        max_model_len=None, max_burst_steps=8 if n == 1 and not args.json else 16)
+
+    model = jspec.load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
+    longest = max(len(model.tokenizer(it["prompt"])["input_ids"]) + sp.max_tokens for it, sp in zip(items, params))
+    max_model_len = min(model.config.max_position_embeddings, max(longest + 64, 256))
+    config = dataclasses.replace(config, max_model_len=max_model_len,
+                                 kv_cache_tokens=args.kv_cache_tokens or seqs * (max_model_len + k + 1))
+    enable_compile_cache()
+    engine = LLMEngine(model, config, spec)
+    reqs = [engine.add_request(str(i), it["prompt"], sp, chat=args.chat) for i, (it, sp) in enumerate(zip(items, params))]
+
+    stream = _stream_printer(model.tokenizer) if n == 1 and not args.json else None
+    bar = None
+    if n > 1:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+    watch = Stopwatch()
+    emitted = 0
+    first = {}  # request -> seconds to its first token, compilation excluded
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for r in reqs:
+            if r.output_ids and id(r) not in first:
+                first[id(r)] = watch.elapsed()
+        if stream is not None and len(reqs[0].output_ids) > emitted:
+            stream(reqs[0].output_ids[emitted:])
+            emitted = len(reqs[0].output_ids)
+        if bar is not None:
+            bar.update(sum(o.finished for o in outs))
+    total_s, compile_s = watch.elapsed(), watch.compile_s()
+    if bar is not None:
+        bar.close()
+
+    tokens = sum(len(r.output_ids) for r in reqs)
+    if args.json:
+        for r in reqs:
+            print(json.dumps(request_json(r, model, spec, total_s if n == 1 else None, compile_s, first.get(id(r)))))
+    elif stream is not None:
+        print()
+    else:
+        for i, r in enumerate(reqs):
+            print(f"--- [{i}] {r.finish_reason} ---")
+            print(r.text)
+    s = engine.stats
+    line = (f"{n} request(s), {tokens} tokens in {total_s:.2f}s: {tokens / total_s if total_s else 0:.1f} tokens/s, "
+            f"mean time to first token {1e3 * _mean(list(first.values())):.0f} ms (compile {compile_s:.1f}s excluded)")
+    if spec.enabled and s.steps:
+        acc = [a / p if p else 0.0 for a, p in zip(_sum_pos(reqs, "num_accepted_tokens_per_pos"),
+                                                   _sum_pos(reqs, "num_draft_tokens_per_pos"))]
+        line += (f"; {spec.method} k={k}{' (dynamic)' if spec.dynamic_k else ''}: mean accepted length "
+                 f"{s.mean_acceptance_length:.2f}, acceptance per position [{', '.join(f'{a:.2f}' for a in acc)}]")
+    if s.cached_prompt_tokens:
+        line += f"; prefix cache hit rate {s.prefix_cache_hit_rate:.0%}"
+    print(line, file=sys.stderr)
+    return 0
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _sum_pos(reqs, field):
+    rows = [getattr(r.metrics, field) for r in reqs]
+    return [sum(col) for col in zip(*rows)] if rows else []
+
+
+def request_json(r, model, spec, total_s=None, compile_s=None, ttft_s=None) -> dict:
+    m = r.metrics
+    acc = [a / p if p else 0.0 for a, p in zip(m.num_accepted_tokens_per_pos, m.num_draft_tokens_per_pos)]
+    d = {
+        "text": r.text, "token_ids": list(r.output_ids), "num_tokens": len(r.output_ids),
+        "prompt_tokens": len(r.prompt_ids), "finish_reason": "eos" if r.finish_reason == "stop" and r.stop_reason is None
+        else r.finish_reason, "stop_reason": r.stop_reason,
+        "ttft_s": m.ttft if ttft_s is None else ttft_s, "time_per_output_token_s": m.time_per_output_token, "queue_s": m.time_in_queue,
+        "spec": spec.method, "num_speculative_tokens": spec.num_speculative_tokens if spec.enabled else 0,
+        "mean_accepted_length": m.mean_acceptance_length if spec.enabled else None,
+        "acceptance_per_position": acc if spec.enabled else None, "num_target_forwards": m.num_steps,
+        "num_drafts": m.num_drafts, "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens, "cached_prompt_tokens": m.num_cached_tokens,
+        "model": str(model.source),
+    }
+    if total_s is not None:
+        d.update(tokens_per_second=len(r.output_ids) / total_s if total_s else 0.0, total_s=total_s,
+                 compile_s=compile_s)
+    return d

@@ -1,0 +1,386 @@
+"""``LLMEngine``: continuous batching with speculative decoding on a paged KV cache.
+
+Requests join (``add_request``) and leave between bursts; ``step()`` plans a burst with the
+:class:`~jspec.engine.scheduler.Scheduler`, writes admitted requests into their slots, runs the
+burst on the device (one jitted call: up to ``max_burst_steps`` plain or speculative steps in a
+``lax.while_loop``, the first carrying a prefill chunk when one is pending), and turns the
+snapshot that comes back into :class:`~jspec.engine.request.RequestOutput` s: new tokens,
+detokenized text, stop strings, finish reasons and metrics.
+
+Speculation is per request: each request's ``num_speculative_tokens`` caps its drafts (0 turns
+it off for that request); with ``SpecConfig.dynamic_k`` the engine picks the step's k (0 = no
+speculation) per burst from a cost model measured on this machine
+(:mod:`jspec.engine.cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from jspec import attention as attention_lib
+from jspec.cache import PageAllocator
+from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.engine.cost import CostModel
+from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
+from jspec.engine.runner import Runner, init_decode_state, slot_update
+from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
+from jspec.errors import ConfigError, PromptError
+from jspec.models.llama import Segment
+from jspec.speculative.drafters import make_drafter
+from jspec.speculative.steps import PlainStep, SpecStep
+from jspec.timing import compile_seconds
+
+Prompt = Union[str, Sequence[int]]
+MIN_CHUNK = 16
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
+    """Token ids of one prompt (text needs a tokenizer; ``chat`` applies its chat template)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError("prompt is empty")
+        if tokenizer is None:
+            raise ConfigError("text prompts need a tokenizer; pass token ids instead")
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise PromptError("a token-id prompt must be a sequence of integers") from None
+        if any(isinstance(t, bool) or (isinstance(t, float) and not float(t).is_integer()) for t in prompt):
+            raise PromptError("a token-id prompt must be a sequence of integers")
+    else:
+        raise PromptError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise PromptError("prompt is empty (no tokens)")
+    return list(ids)
+
+
+def chunk_widths(budget: int) -> tuple[int, ...]:  # noqa: D401
+    """Prefill chunk widths (few: each is a compiled shape): the largest power of two within
+    ``budget``, and quarter and sixteenth of it, never below 16 tokens."""
+    top = 1 << (max(budget, MIN_CHUNK).bit_length() - 1)
+    return tuple(sorted({max(MIN_CHUNK, top >> s) for s in (0, 2, 4)}))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(), *,
+                 drafter=None, drafter_params=None):
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
+        mc = model.config
+        attention = attention_lib.resolve(config.attention)
+        if drafter is None and self.spec.enabled:
+            drafter, drafter_params = make_drafter(self.spec, model, attention)
+        self.drafter = drafter
+        k_max = drafter.k if drafter is not None else 0
+        self.k_max = k_max
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                              f"({mc.max_position_embeddings})")
+        ps, b = config.page_size, config.max_num_seqs
+        self.buffer_len = _round_up(self.max_model_len + k_max + 1, ps)
+        table_width = self.buffer_len // ps
+        kv_tokens = config.kv_cache_tokens or b * self.max_model_len
+        num_pages = -(-kv_tokens // ps) + 1  # + the null page
+        budget = config.max_num_batched_tokens - b * (k_max + 1)
+        if budget < MIN_CHUNK:
+            raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold every slot's "
+                              f"decode rows ({b} x {k_max + 1}) plus a prefill chunk of >= {MIN_CHUNK} tokens")
+        self.prefill_shapes = prefill_shapes(budget, b, chunk_widths(budget))
+        eos = tuple(mc.eos_token_ids)
+        self._steps = {0: PlainStep(mc, eos, attention, drafter)}
+        candidates = [0] if drafter is None else ([k_max] if not self.spec.dynamic_k else
+                                                  sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
+        for k in candidates:
+            if k > 0:
+                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
+        self.cost = CostModel(candidates)
+        self.allocator = PageAllocator(num_pages, ps, reserve_null=True,
+                                       shuffle_seed=config.seed if config.shuffle_pages else None)
+        salt = f"{model.source}:{mc}:{type(drafter).__name__}".encode()
+        self.scheduler = Scheduler(num_slots=b, table_width=table_width, allocator=self.allocator,
+                                   shapes=self.prefill_shapes, max_burst_steps=config.max_burst_steps,
+                                   prefix_caching=config.enable_prefix_caching, salt=salt)
+        state = init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
+                                  model.params, drafter_params)
+        self.runner = Runner(model.params, drafter_params, state, self.buffer_len)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._last_steps = 0
+        self.stats = EngineStats(k_max)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams = SamplingParams(), *,
+                    chat: bool = False, arrival_time: Optional[float] = None) -> Request:
+        """Queue a request; raises PromptError / ConfigError (and queues nothing) if it is bad
+        or could never fit (longer than ``max_model_len`` or than the whole page pool)."""
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise PromptError(f"request {request_id}: token ids outside [0, {vocab})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptError(f"request {request_id}: prompt of {len(ids)} tokens + max_tokens={params.max_tokens} "
+                              f"exceeds max_model_len={self.max_model_len}")
+        need = self.allocator.pages_for(total + self.k_max + 1)
+        if need > self.allocator.num_usable:
+            raise PromptError(f"request {request_id}: needs {need} pages of {self.config.page_size} tokens, the KV "
+                              f"cache has {self.allocator.num_usable} (raise kv_cache_tokens)")
+        order = next(self._order)
+        seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + order) % (2**63)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        r = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seed,
+                    RequestMetrics(now, num_prompt_tokens=len(ids), num_accepted_tokens_per_pos=[0] * max(self.k_max, 1),
+                                   num_draft_tokens_per_pos=[0] * max(self.k_max, 1)), order)
+        self.requests[request_id] = r
+        self.scheduler.waiting.append(r)
+        return r
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        r = self.requests.get(str(request_id))
+        if r is None or r.status is Status.FINISHED:
+            return None
+        self.scheduler.abort(r)
+        r.finish_reason = "abort"
+        r.metrics.finished_time = time.perf_counter()
+        self.stats.finished(r)
+        return r.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pop_finished(self) -> None:
+        """Forget finished requests (a long-running server calls this to bound memory)."""
+        for rid in [rid for rid, r in self.requests.items() if r.status is Status.FINISHED]:
+            del self.requests[rid]
+
+    # ------------------------------------------------------------------ one burst
+    def _choose_k(self) -> int:
+        if len(self.cost.candidates) == 1:
+            return self.cost.candidates[0]
+        rows = []
+        for r in self.scheduler.running:
+            m = r.metrics
+            cap = self._cap(r)
+            rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps))
+        return self.cost.choose(rows)
+
+    def _cap(self, r: Request) -> int:
+        k = r.params.num_speculative_tokens
+        return self.k_max if k is None else min(k, self.k_max)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one burst; returns the outputs of requests that got new tokens or finished."""
+        if not self.scheduler.has_work():
+            return []
+        plan = self.scheduler.plan(self._choose_k())
+        self._apply_slot_changes()
+        if not self.scheduler.running and plan.prefill is None:
+            return []
+        t0 = time.perf_counter()
+        # A step carrying a prefill chunk is a plain one (running slots decode one token in it):
+        # one compiled prefill variant per chunk width, whatever k the bursts use.
+        step = self._steps[0] if plan.prefill is not None else self._steps[plan.k]
+        snap = self.runner.burst(step, self.scheduler.tables(), self._spec_caps(plan.k), self._segment(plan),
+                                 plan.num_steps, plan.stop_on_finish)
+        t1 = time.perf_counter()
+        self.stats.bursts += 1
+        return self._collect(plan, snap, t0, t1)
+
+    def _apply_slot_changes(self) -> None:
+        s = self.scheduler
+        for slot in s.released:
+            self.runner.release(slot)
+        s.released.clear()
+        tables = s.tables()
+        for r in s.admitted:
+            now = time.perf_counter()
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
+            r.base = dataclasses.replace(r.metrics, num_accepted_tokens_per_pos=list(r.metrics.num_accepted_tokens_per_pos),
+                                         num_draft_tokens_per_pos=list(r.metrics.num_draft_tokens_per_pos))
+            self.runner.set_slot(self.drafter, slot_update(r.slot, r.all_ids, tables[r.slot], r.max_len, r.computed,
+                                                           r.params, r.seed, self._cap(r), self.buffer_len))
+        s.admitted.clear()
+
+    def _spec_caps(self, k: int) -> np.ndarray:
+        caps = np.zeros((len(self.scheduler.slots),), np.int32)
+        for i, r in enumerate(self.scheduler.slots):
+            if r is not None:
+                caps[i] = min(self._cap(r), k)
+        return caps
+
+    def _segment(self, plan: Plan) -> Optional[Segment]:
+        pf = plan.prefill
+        if pf is None:
+            return None
+        tokens = np.zeros((pf.rows, pf.width), np.int32)
+        q_lens = np.zeros((pf.rows,), np.int32)
+        rows = np.full((pf.rows,), len(self.scheduler.slots), np.int32)  # padding rows: past the last slot
+        for i, c in enumerate(pf.chunks):
+            tokens[i, :c.length] = c.request.all_ids[c.start:c.start + c.length]
+            q_lens[i], rows[i] = c.length, c.request.slot
+        return Segment(tokens, q_lens, rows)
+
+    def _collect(self, plan: Plan, snap, t0: float, t1: float) -> list[RequestOutput]:
+        now = t1
+        outputs = []
+        if plan.prefill is not None:
+            for c in plan.prefill.chunks:
+                self.scheduler.prefilled(c.request, c.length)
+        for slot, r in enumerate(list(self.scheduler.slots)):
+            if r is None or r.status is not Status.RUNNING:
+                continue
+            before = len(r.all_ids)
+            new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
+            self._update_counters(r, snap, slot)
+            if new:
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = now
+                r.metrics.last_token_time = now
+                r.output_ids.extend(new)
+                r.metrics.num_output_tokens = len(r.output_ids)
+            finished = bool(snap.done[slot])
+            if new or finished:
+                stop_hit = self._detokenize(r, before - len(r.prompt_ids))
+                if stop_hit:
+                    self.scheduler.finish(r, device_running=not finished)
+                elif finished:
+                    r.finish_reason = "stop" if snap.eos_hit[slot] else "length"
+                    self.scheduler.finish(r, device_running=False)
+                if r.status is Status.FINISHED:
+                    r.metrics.finished_time = now
+                    self.stats.finished(r)
+                outputs.append(r.to_output())
+        self._observe_cost(plan, snap, t0, t1)
+        return outputs
+
+    def _observe_cost(self, plan: Plan, snap, t0: float, t1: float) -> None:
+        steps, self._last_steps = int(snap.steps) - self._last_steps, int(snap.steps)
+        self.stats.steps_run += steps
+        if plan.prefill is None and steps > 0 and compile_seconds(t0, t1) == 0.0:
+            self.cost.observe(plan.k, steps, t1 - t0)
+
+    def _update_counters(self, r: Request, snap, slot: int) -> None:
+        m, base = r.metrics, r.base
+        k = snap.accepted.shape[1]
+        m.num_steps = base.num_steps + int(snap.num_steps[slot])
+        m.num_drafts = base.num_drafts + int(snap.num_drafts[slot])
+        m.num_draft_tokens = base.num_draft_tokens + int(snap.proposed[slot].sum())
+        m.num_accepted_tokens = base.num_accepted_tokens + int(snap.accepted[slot].sum())
+        m.num_accepted_tokens_per_pos = [base.num_accepted_tokens_per_pos[j] + int(snap.accepted[slot, j])
+                                         for j in range(k)]
+        m.num_draft_tokens_per_pos = [base.num_draft_tokens_per_pos[j] + int(snap.proposed[slot, j]) for j in range(k)]
+
+    def _detokenize(self, r: Request, new_from: int) -> bool:
+        """Update ``r.text``; on a stop string, cut text (and token ids after the token that
+        completed it), set the finish reason and return True."""
+        tok = self.tokenizer
+        if tok is None:
+            return False
+        r.text = tok.decode(r.output_ids, skip_special_tokens=True)
+        if not r.params.stop:
+            return False
+        hits = [(r.text.find(s), s) for s in r.params.stop if s in r.text]
+        if not hits:
+            return False
+        at, s = min(hits)
+        for m in range(max(new_from, 0) + 1, len(r.output_ids) + 1):
+            if s in tok.decode(r.output_ids[:m], skip_special_tokens=True):
+                del r.output_ids[m:]
+                break
+        r.text = r.text[:at]
+        r.metrics.num_output_tokens = len(r.output_ids)
+        r.finish_reason, r.stop_reason = "stop", s
+        return True
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self) -> None:
+        """Compile every step variant (each k, with and without each prefill width) and the
+        slot updates, so that serving compiles nothing more."""
+        if self.scheduler.has_work():
+            raise ConfigError("warmup() runs on an empty engine")
+        s = self.scheduler
+        tables = s.tables()
+        caps = np.zeros((len(s.slots),), np.int32)
+        for step in self._steps.values():
+            self.runner.burst(step, tables, caps, None, 1, False)
+        pad = len(s.slots)
+        for rows, width in self.prefill_shapes:
+            seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))
+            self.runner.burst(self._steps[0], tables, caps, seg, 1, False)
+        dummy = slot_update(0, [0], tables[0], 1, 0, SamplingParams(), 0, 0, self.buffer_len)
+        self.runner.set_slot(self.drafter, dummy)
+        self.runner.release(0)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals over finished requests (vLLM's metric names where it has them)."""
+
+    k_max: int
+    bursts: int = 0
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0  # request-steps (target forwards per request, summed)
+    steps_run: int = 0  # device steps (loop iterations) over all bursts
+
+    def finished(self, r: Request) -> None:
+        m = r.metrics
+        self.num_requests += 1
+        self.prompt_tokens += m.num_prompt_tokens
+        self.cached_prompt_tokens += m.num_cached_tokens
+        self.prefilled_tokens += m.num_prefilled_tokens
+        self.generation_tokens += len(r.output_ids)
+        self.preemptions += m.num_preemptions
+        self.num_drafts += m.num_drafts
+        self.num_draft_tokens += m.num_draft_tokens
+        self.num_accepted_tokens += m.num_accepted_tokens
+        self.steps += m.num_steps
+        pos = m.num_accepted_tokens_per_pos
+        if len(self.num_accepted_tokens_per_pos) < len(pos):
+            self.num_accepted_tokens_per_pos += [0] * (len(pos) - len(self.num_accepted_tokens_per_pos))
+        for j, a in enumerate(pos):
+            self.num_accepted_tokens_per_pos[j] += a
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        return self.generation_tokens / self.steps if self.steps else None

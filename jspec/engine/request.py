@@ -1,0 +1,124 @@
+"""Requests and what the engine hands back, in vLLM's shapes (``RequestOutput`` with
+``outputs[0].text / .token_ids / .finish_reason`` and ``metrics``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+from jspec.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
+    PREFILLING = "prefilling"  # in a slot, prompt chunks going into the cache
+    RUNNING = "running"  # in a slot, decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per request, in seconds of ``time.perf_counter()`` and token counts. The spec-decode
+    counters use vLLM's names: ``num_drafts`` (steps with a proposal), ``num_draft_tokens``,
+    ``num_accepted_tokens`` and ``num_accepted_tokens_per_pos``."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (first admission)
+    num_prefilled_tokens: int = 0  # tokens run through prefill (recomputation included)
+    num_preemptions: int = 0
+    num_steps: int = 0  # target forwards the request took part in
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)  # (a jspec extension)
+    num_output_tokens: int = 0
+
+    @property
+    def time_in_queue(self) -> Optional[float]:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> Optional[float]:
+        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        """Tokens per target forward (accepted drafts + the bonus/recovered token); None
+        before the first step."""
+        return self.num_output_tokens / self.num_steps if self.num_steps else None
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length", "abort"
+    stop_reason: Optional[str] = None  # the stop string that matched, if any
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """The engine's host-side record of one request."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    metrics: RequestMetrics
+    order: int  # arrival order (preemption takes the latest first)
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[str] = None
+    slot: Optional[int] = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose K/V are in the cache (host view: prefix hit + prefill)
+    registered: int = 0  # full pages of this request registered in the prefix cache
+    emitted: int = 0  # output tokens already handed to the caller (streaming)
+    base: Optional[RequestMetrics] = None  # counters at the last admission (device counters start at 0)
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt and output so far: what a recomputation after preemption prefills."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def to_output(self, incremental: bool = False) -> RequestOutput:
+        ids = self.output_ids[self.emitted:] if incremental else list(self.output_ids)
+        done = self.status is Status.FINISHED
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
+                             [CompletionOutput(0, self.text, ids, self.finish_reason if done else None,
+                                               self.stop_reason)], done, self.metrics)

@@ -1,0 +1,236 @@
+"""The scheduler: plain host Python between jitted bursts.
+
+Each burst it decides, in this order:
+
+1. **Pages for running requests.** Every running slot gets pages for the tokens the next burst
+   can write (``steps * (k + 1)`` ahead). When the pool runs short, the burst is shortened;
+   when even one step does not fit, the newest request is **preempted by recomputation**: its
+   pages go back (shared prefix pages only lose a reference), and it returns to the front of
+   the queue to be prefilled again from its prompt and the tokens it already produced.
+2. **Admission** of waiting requests into free slots, first come first served, while their
+   prompt pages fit. Full prompt pages found in the **prefix cache** are shared read-only
+   (their K/V, and a drafter's, are already there); only the rest is prefilled.
+3. **Prefill chunks** of the oldest slots still prefilling, one row each: a width from
+   ``prefill_shapes`` (the smallest that holds the oldest one's remaining prompt, up to the
+   largest) and as many rows as that width allows within the step's token budget (rounded up to
+   the next allowed row count: few compiled shapes), run in the same forward as everyone's
+   decode step.
+4. **Burst length**: a step with a prefill chunk runs alone (the running slots decode one token
+   in it), else up to ``max_burst_steps`` steps; with requests waiting, the burst also stops as
+   soon as a slot finishes.
+
+Invariants (checked by :meth:`check`): every page is free or held, reference counts equal the
+number of holders, a request is in the queue or in exactly one slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from jspec.cache import NULL_PAGE, PageAllocator, page_keys
+from jspec.engine.request import Request, Status
+
+
+@dataclasses.dataclass
+class Chunk:
+    request: Request
+    start: int  # first position of the chunk
+    length: int  # real tokens
+    width: int  # padded width (one of the chunk widths)
+
+
+@dataclasses.dataclass
+class Prefill:
+    chunks: list[Chunk]  # one per row, oldest request first
+    rows: int  # P: rows of the prefill segment (the chunks, then padding)
+    width: int  # T: tokens per row
+
+
+@dataclasses.dataclass
+class Plan:
+    prefill: Optional[Prefill]
+    num_steps: int
+    stop_on_finish: bool
+    k: int
+
+
+def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(rows, width) shapes of prefill segments: for each width, row counts 1, 4, 16, ... that
+    fit ``rows * width <= budget`` and ``max_rows`` (at least one row)."""
+    shapes = []
+    for w in widths:
+        p = 1
+        shapes.append((p, w))
+        while p < max_rows and 4 * p * w <= budget:
+            p *= 4
+            shapes.append((p, w))
+    return tuple(shapes)
+
+
+class Scheduler:
+    def __init__(self, *, num_slots: int, table_width: int, allocator: PageAllocator,
+                 shapes: tuple[tuple[int, int], ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b""):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.table_width = table_width
+        self.shapes = shapes
+        self.widths = tuple(sorted({w for _, w in shapes}))
+        self.max_burst_steps = max_burst_steps
+        self.prefix_caching = prefix_caching
+        self.salt = salt
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Optional[Request]] = [None] * num_slots
+        self.admitted: list[Request] = []  # since the last plan: the engine writes their slots
+        self.released: list[int] = []  # slots the device must stop running
+        self.num_preemptions = 0
+        self._keys: dict[int, list[bytes]] = {}  # id(request) -> page keys of its current prompt
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def running(self) -> list[Request]:
+        return sorted((r for r in self.slots if r is not None and r.status is Status.RUNNING), key=lambda r: r.order)
+
+    @property
+    def prefilling(self) -> list[Request]:
+        return sorted((r for r in self.slots if r is not None and r.status is Status.PREFILLING),
+                      key=lambda r: r.order)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def tables(self) -> np.ndarray:
+        t = np.full((len(self.slots), self.table_width), NULL_PAGE, np.int32)
+        for i, r in enumerate(self.slots):
+            if r is not None:
+                t[i, :len(r.pages)] = r.pages
+        return t
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, k: int) -> Plan:
+        steps = self._reserve(self.max_burst_steps, k)
+        self._admit()
+        prefill = self._prefill()
+        if prefill is not None:
+            steps = 1  # a step carrying prefill chunks runs alone
+        return Plan(prefill, steps, bool(self.waiting), k)
+
+    def _reserve(self, steps: int, k: int) -> int:
+        """Pages for ``steps`` steps of every running request (fewer steps, then preemption,
+        when the pool is short); returns the number of steps reserved for."""
+        while True:
+            want = {id(r): self._pages_needed(r, steps, k) for r in self.running}
+            if sum(want.values()) <= self.allocator.num_free:
+                for r in self.running:
+                    if want[id(r)]:
+                        r.pages += self.allocator.allocate_pages(want[id(r)])
+                return steps
+            if steps > 1:
+                steps = max(1, steps // 2)
+                continue
+            victim = max((r for r in self.slots if r is not None), key=lambda r: r.order)
+            self.preempt(victim)
+
+    def _pages_needed(self, r: Request, steps: int, k: int) -> int:
+        tokens = min(len(r.all_ids) + steps * (k + 1), r.max_len + k + 1)
+        return max(0, self.allocator.pages_for(tokens) - len(r.pages))
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            r = self.waiting[0]
+            ids = r.all_ids
+            keys = page_keys(ids, self.page_size, self.salt, len(ids) - 1) if self.prefix_caching else []
+            hits = []
+            for key in keys:
+                page = self.allocator.lookup(key)
+                if page is None:
+                    break
+                hits.append(page)
+            need = self.allocator.pages_for(len(ids)) - len(hits)
+            if need > self.allocator.num_free:
+                self.allocator.free(hits)
+                return  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            r.pages = hits + self.allocator.allocate_pages(need)
+            r.slot = self.slots.index(None)
+            self.slots[r.slot] = r
+            r.registered = len(hits)
+            r.computed = len(hits) * self.page_size
+            r.status = Status.PREFILLING if r.computed < len(ids) - 1 else Status.RUNNING
+            self._keys[id(r)] = keys
+            if r.metrics.num_preemptions == 0:
+                r.metrics.num_cached_tokens = r.computed
+            self.admitted.append(r)
+
+    def _prefill(self) -> Optional[Prefill]:
+        pre = self.prefilling
+        if not pre:
+            return None
+        remaining = lambda r: (len(r.all_ids) - 1) - r.computed  # noqa: E731
+        width = next((w for w in self.widths if w >= remaining(pre[0])), self.widths[-1])
+        allowed = sorted(p for p, w in self.shapes if w == width)
+        n = min(len(pre), allowed[-1])
+        rows = next(p for p in allowed if p >= n)
+        chunks = [Chunk(r, r.computed, min(remaining(r), width), width) for r in pre[:n]]
+        return Prefill(chunks, rows, width)
+
+    # ------------------------------------------------------------------ after a burst
+    def prefilled(self, r: Request, length: int) -> None:
+        """``length`` more prompt tokens of ``r`` are in the cache: full pages become findable."""
+        r.computed += length
+        r.metrics.num_prefilled_tokens += length
+        keys = self._keys.get(id(r), [])
+        full = min(r.computed // self.page_size, len(keys))
+        for i in range(r.registered, full):
+            self.allocator.register(r.pages[i], keys[i])
+        r.registered = max(r.registered, full)
+        if r.computed >= len(r.all_ids) - 1:
+            r.status = Status.RUNNING
+
+    def finish(self, r: Request, device_running: bool) -> None:
+        """Give back the request's pages and slot (``device_running``: the device still runs
+        the slot, as after a stop string, and must be told to stop)."""
+        self.allocator.free(r.pages)
+        r.pages = []
+        if r.slot is not None:
+            self.slots[r.slot] = None
+            if device_running:
+                self.released.append(r.slot)
+        r.slot = None
+        r.status = Status.FINISHED
+        self._keys.pop(id(r), None)
+
+    def abort(self, r: Request) -> None:
+        if r.status is Status.WAITING:
+            self.waiting.remove(r)
+            r.status = Status.FINISHED
+        elif r.status is not Status.FINISHED:
+            self.finish(r, device_running=True)
+
+    def preempt(self, r: Request) -> None:
+        """Recompute later: free everything, requeue at the front with the output so far."""
+        self.allocator.free(r.pages)
+        r.pages = []
+        self.slots[r.slot] = None
+        self.released.append(r.slot)
+        r.slot = None
+        r.status = Status.WAITING
+        r.computed = r.registered = 0
+        r.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self._keys.pop(id(r), None)
+        self.waiting.appendleft(r)
+
+    def check(self) -> None:
+        """Assert the page and slot bookkeeping (tests call this after every step)."""
+        held = [r.pages for r in self.slots if r is not None]
+        self.allocator.check(held)
+        queued = {id(r) for r in self.waiting}
+        for i, r in enumerate(self.slots):
+            if r is not None:
+                assert r.slot == i and id(r) not in queued, "a request is in a slot and the queue"
+                assert len(r.pages) <= self.table_width
+        assert len(queued) == len(self.waiting), "a request is queued twice"
