@@ -152,7 +152,7 @@ def paged_verify_attention_reference(
 #
 # Grid (B, KVH, q blocks, splits). A program owns every query row of one KV head of one
 # sequence -- the T*G rows (G = Hq / KVH), row r = t*G + g, padded to a power of two >= 16 --
-# so each K/V page of that head is read once per call. T*G <= 256 (T = 17 drafts + 1 at G = 8
+# so each K/V page of that head is read once per call. T*G <= 256 (T = 17 = 16 drafts + 1 at G = 8
 # included) is one q block; only larger T*G (chunked prefill) gets several, each re-reading.
 #
 # Splits are sized per sequence, in the kernel: each sequence's live keys (kv_len; none when

@@ -19,7 +19,8 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "gpu_attention.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "gpu_attention.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     kinds = collections.Counter(r["kind"] for r in records)
     assert not kinds["error"] and not kinds["section_failed"] and not kinds["skipped"], \
         [r for r in records if r["kind"] in ("error", "section_failed", "skipped")]

@@ -379,7 +379,7 @@ def _lower_for(platform: str, device_kind: str, batch: int = B, t: int = T, grou
 
 
 def _triton_modules(monkeypatch, *lower_args, **lower_kwargs) -> list[str]:
-    """Triton IR (MLIR text) of every kernel built while lowering (private jax API: skip if moved)."""
+    """Triton IR (MLIR text) of each kernel built while lowering (private jax API: skip if moved)."""
     try:
         from jax._src.pallas.triton import lowering as triton_lowering
 
