@@ -14,16 +14,16 @@ runs it on the CPU) and ``paged_verify_attention_reference`` (plain jnp, the ora
 kernel's design is described above ``_paged_verify_kernel``; its tiles come from
 :mod:`pallas_kernels.tuning`.
 
-Shapes:
-    q             [B, T, Hq, D]
-    k_pages       [KVH, num_pages, page_size, D]
-    v_pages       [KVH, num_pages, page_size, D]
-    block_tables  int32 [B, max_pages_per_seq]   page ids of sequence b, in order
-    kv_lens       int32 [B]                       keys of sequence b, new tokens included
+Shapes and dtypes:
+    q             [B, T, Hq, D]                  float32, bfloat16 or float16
+    k_pages       [KVH, num_pages, page_size, D] float32, bfloat16 or float16 (read as q's dtype)
+    v_pages       [KVH, num_pages, page_size, D] k_pages' dtype
+    block_tables  int32 [B, max_pages_per_seq]   page ids of sequence b, in order; slots past
+                                                 its pages may hold anything (never read)
+    kv_lens       int32 [B]                      keys of sequence b, new tokens included
     q_lens        int32 [B] or None (= T)
     result        [B, T, Hq, D] in q's dtype
 """
-
 from __future__ import annotations
 
 import functools
@@ -38,6 +38,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None) -> None:
     """Raise ``ValueError`` naming the offending argument when shapes or dtypes are wrong."""
@@ -51,6 +53,15 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
     kvh, _, _, dk = k_pages.shape
     if dk != d:
         raise ValueError(f"k_pages head_dim {dk} must equal q head_dim {d}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if k_pages.dtype not in FLOAT_DTYPES:
+        # 1-byte caches are refused: besides the fp8 format split between vendors, the Triton
+        # lowering switches to 64-bit offsets only above 2^32 bytes, so a 1-byte cache of 2-4 GiB
+        # (>= 2^31 elements) would overflow 32-bit element offsets.
+        raise ValueError(f"k_pages must be float32, bfloat16 or float16, got {k_pages.dtype}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of k_pages heads ({kvh})")
     if block_tables.ndim != 2 or block_tables.shape[0] != b:
@@ -139,164 +150,187 @@ def paged_verify_attention_reference(
 # ---------------------------------------------------------------------------------------------
 # Pallas Triton kernel.
 #
-# Grid: (batch, kv_head, q_block, split). One program owns every query row of one KV head of one
-# sequence -- the T * G rows (G = Hq / KVH) laid out t-major, padded to a power of two >= 16 --
-# so each K/V page of that head is read from memory once per verification, not once per query
-# token or per query head. (T * G above the tile table's max_block_q is cut into q blocks; that
-# only happens for chunked prefill.) The program walks its share of the sequence's keys in
-# steps of block_k keys: the page of each key comes from the block table, K and V are gathered
-# with masked loads (nothing past kv_len is read), and an online softmax keeps the running row
-# max m, row sum l and unnormalised output o in float32. Long contexts are split over `split`
-# programs ("split-k" / flash-decoding); their (m, l, o) are merged afterwards in plain jnp.
+# Grid (B, KVH, q blocks, splits). A program owns every query row of one KV head of one
+# sequence -- the T*G rows (G = Hq / KVH), row r = t*G + g, padded to a power of two >= 16 --
+# so each K/V page of that head is read once per call. T*G <= 256 (T = 17 = 16 drafts + 1 at G = 8
+# included) is one q block; only larger T*G (chunked prefill) gets several, each re-reading.
+#
+# Splits are sized per sequence, in the kernel: each sequence's live keys (kv_len; none when
+# q_len = 0) are cut into pieces of keys_per_split(kv_len) keys, one per split program, so a
+# short sequence in a wide block table uses few splits and the surplus programs return at once.
+#
+# Loads: q is gathered in place from [B, T, Hq, D] (rows t < q_len only: no XLA transpose or
+# pad); page ids are read from the block table one step ahead and carried through the loop, so a
+# step's K/V addresses never wait on a table load of the same step; K and V are gathered with
+# masked loads. Nothing at or past the split's end, kv_len, or the last position a row of the
+# program can see is loaded, and block-table slots past those keys are never read.
+#
+# Softmax: online, in base 2 (log2(e) folded into the score scale; exp2), with the running max
+# m, sum l and unnormalised output o in float32; rows that have seen nothing stay inf-free.
+#
+# Output: with one split a program normalises and writes its rows of the [B, T, Hq, D] result
+# in q's dtype (rows t >= q_len as zeros): a single launch. With several, a program writes f32
+# (o, m, l) only for the valid rows that see one of its keys, and `_merge_splits` (XLA) combines
+# them.
 #
 # Only what the Triton lowering supports on both CUDA and ROCm is used: power-of-two block
-# shapes, dots with every side >= 16, pointer gathers with masks, no inline asm, no TMA/wgmma.
+# shapes, dots with every side >= 16, masked pointer gathers and scatters, scf.for and scf.if;
+# no inline asm, no atomics, no TMA / wgmma / warp specialisation.
 # ---------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+def _iota(n: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
 def _paged_verify_kernel(
     kv_len_ref,  # int32 [1]
     q_len_ref,  # int32 [1]
-    table_ref,  # int32 [max_pages_per_seq]      this sequence's row of the block table
-    q_ref,  # [block_q, Dp]                      rows r = t * G + g of this q block
-    k_ref,  # [num_pages, page_size, D]         this KV head's pages
+    table_ref,  # int32 [max_pages_per_seq]       this sequence's row of the block table
+    q_ref,  # [T, Hq, D]                         this sequence's queries, read in place
+    k_ref,  # [num_pages, page_size, D]          this KV head's pages
     v_ref,  # [num_pages, page_size, D]
-    o_ref,  # f32 [block_q, Dp]                 unnormalised output of this split
-    m_ref,  # f32 [block_q]                     running max of this split (-inf: saw nothing)
-    l_ref,  # f32 [block_q]                     running sum of exp(s - m)
-    *,
+    *out_refs,  # one split: out [T, Hq, D] in q's dtype; else o f32 [T, Hq, D], m, l f32 [T, Hq]
     group: int,
     head_dim: int,
     page_size: int,
-    capacity: int,
+    block_q: int,
+    head_dim_padded: int,
     block_k: int,
-    keys_per_split: int,
+    num_splits: int,
+    min_keys_per_split: int,
     sm_scale: float,
     soft_cap: Optional[float],
 ):
-    block_q, dp = q_ref.shape
-    q_block = pl.program_id(2)
-    split = pl.program_id(3)
+    t_len = q_ref.shape[0]
+    dp = head_dim_padded
     kv_len = kv_len_ref[0]
     q_len = q_len_ref[0]
+    kv_head = pl.program_id(1)
+    q_block = pl.program_id(2)
+    split = pl.program_id(3)
 
-    # Absolute position of each query row; -1 for rows past q_len and padding rows, which
-    # then see no key and come out as zeros.
-    row = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    # Row r = t * G + g of this program is query token t of query head kv_head * G + g. Rows
+    # t >= q_len (padding and the rows past T) get position -1: they see no key.
+    row = q_block * block_q + _iota(block_q)
     t = lax.div(row, jnp.int32(group))
-    q_pos = jnp.where(t < q_len, kv_len - q_len + t, -1)  # [block_q]
+    head = kv_head * group + (row - t * group)
+    valid = t < q_len
+    q_pos = jnp.where(valid, kv_len - q_len + t, -1)  # [block_q]
 
-    # This program's key range: its split, cut at the last key any of its rows can see.
-    t_first = lax.div(q_block * block_q, group)
-    t_last = jnp.minimum(lax.div(q_block * block_q + block_q - 1, group), q_len - 1)
-    key_start = split * keys_per_split
-    key_end = jnp.minimum(key_start + keys_per_split, kv_len - q_len + t_last + 1)
-    key_end = jnp.minimum(key_end, capacity)
-    key_end = jnp.where(t_first < q_len, key_end, key_start)  # no valid row: no work
-    num_steps = lax.div(jnp.maximum(key_end - key_start, 0) + block_k - 1, block_k)
+    # This program's keys: its split of the sequence's live keys, cut at the last position any
+    # of its rows can see (and empty when none of its rows is valid).
+    live = jnp.where(q_len > 0, kv_len, 0)
+    per_split = tuning.keys_per_split(live, num_splits, block_k, min_keys_per_split)
+    key_start = split * per_split
+    t_first = lax.div(q_block * block_q, jnp.int32(group))
+    t_last = jnp.minimum(lax.div(q_block * block_q + block_q - 1, jnp.int32(group)), q_len - 1)
+    key_end = jnp.minimum(jnp.minimum(key_start + per_split, live), kv_len - q_len + t_last + 1)
+    key_end = jnp.where(t_first < q_len, key_end, key_start)
+    num_steps = lax.div(jnp.maximum(key_end - key_start, 0) + (block_k - 1), jnp.int32(block_k))
 
-    q = q_ref[...]  # [block_q, Dp]
-    d_idx = lax.broadcasted_iota(jnp.int32, (1, dp), 1)  # [1, Dp]
-    d_ok = d_idx < head_dim if dp != head_dim else None  # padding lanes of an odd head_dim
+    d = _iota(dp)[None, :]  # [1, Dp]
+    d_ok = d < head_dim if dp != head_dim else None  # padding lanes of a head_dim like 80
 
-    def step(i, carry):
-        o, m, l = carry
-        k_pos = key_start + i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        k_ok = k_pos < key_end  # [block_k]
+    def tile_mask(rows_ok):  # [n] -> [n, Dp]
+        mask = rows_ok[:, None] if d_ok is None else rows_ok[:, None] & d_ok
+        return jnp.broadcast_to(mask, (rows_ok.shape[0], dp))
+
+    def page_ids(step):  # [block_k] page id of each key of loop step `step` (0 where masked)
+        k_pos = key_start + step * block_k + _iota(block_k)
         slot = lax.div(k_pos, jnp.int32(page_size))
-        page = plgpu.load(table_ref.at[slot], mask=k_ok, other=0)  # [block_k] page ids
-        offset = k_pos - slot * page_size
-        idx = (page[:, None], offset[:, None], d_idx)  # -> [block_k, Dp]
-        kv_ok = jnp.broadcast_to(k_ok[:, None] if d_ok is None else k_ok[:, None] & d_ok,
-                                 (block_k, dp))
-        k = plgpu.load(k_ref.at[idx], mask=kv_ok, other=0)
-        v = plgpu.load(v_ref.at[idx], mask=kv_ok, other=0)
+        return plgpu.load(table_ref.at[slot], mask=k_pos < key_end, other=0)
 
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            precision=lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32) * sm_scale  # [block_q, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = jnp.where(visible, s, -jnp.inf)
+    def attend():
+        q = plgpu.load(q_ref.at[t[:, None], head[:, None], d], mask=tile_mask(valid), other=0)
 
-        # Online softmax; m_safe keeps rows that have seen nothing yet free of inf - inf.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)  # 0 when m == -inf
-        p = jnp.exp(s - m_safe[:, None])  # 0 where not visible
-        l = alpha * l + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)  # [block_q, Dp]
-        o = alpha[:, None] * o + pv
-        return o, m_new, l
+        def step(i, carry):
+            o, m, l, pages = carry
+            next_pages = page_ids(i + 1)  # prefetch: consumed by the next step
+            k_pos = key_start + i * block_k + _iota(block_k)
+            k_ok = k_pos < key_end
+            offset = lax.rem(k_pos, jnp.int32(page_size))
+            idx = (pages[:, None], offset[:, None], d)  # -> [block_k, Dp]
+            k = plgpu.load(k_ref.at[idx], mask=tile_mask(k_ok), other=0).astype(q.dtype)
+            v = plgpu.load(v_ref.at[idx], mask=tile_mask(k_ok), other=0).astype(q.dtype)
 
-    o = jnp.zeros((block_q, dp), jnp.float32)
-    m = jnp.full((block_q,), -jnp.inf, jnp.float32)
-    l = jnp.zeros((block_q,), jnp.float32)
-    o, m, l = lax.fori_loop(0, num_steps, step, (o, m, l))
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)  # [block_q, block_k]
+            if soft_cap is None:
+                s = s * (sm_scale * LOG2E)  # scores in base 2
+            else:
+                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            s = jnp.where(visible, s, -jnp.inf)
+
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
+            alpha = jnp.exp2(m - m_safe)  # 0 while m == -inf
+            p = jnp.exp2(s - m_safe[:, None])  # 0 where not visible
+            l = alpha * l + jnp.sum(p, axis=1)
+            pv = lax.dot_general(p.astype(q.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)  # [block_q, Dp]
+            return alpha[:, None] * o + pv, m_new, l, next_pages
+
+        init = (jnp.zeros((block_q, dp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+                jnp.zeros((block_q,), jnp.float32), page_ids(0))
+        o, m, l, _ = lax.fori_loop(0, num_steps, step, init)
+
+        idx = (t[:, None], head[:, None], d)
+        if num_splits == 1:
+            [out_ref] = out_refs
+            out = o * jnp.where(l > 0, 1.0 / l, 0.0)[:, None]  # rows that saw nothing -> 0
+            plgpu.store(out_ref.at[idx], out.astype(out_ref.dtype), mask=tile_mask(t < t_len))
+        else:
+            o_ref, m_ref, l_ref = out_refs
+            seen = valid & (q_pos >= key_start)  # rows that see at least one key of this split
+            plgpu.store(o_ref.at[idx], o, mask=tile_mask(seen))
+            plgpu.store(m_ref.at[t, head], m, mask=seen)
+            plgpu.store(l_ref.at[t, head], l, mask=seen)
+
+    if num_splits == 1:
+        attend()  # always writes its rows, zeros included
+    else:
+        pl.when(key_end > key_start)(attend)  # a split with no live keys writes nothing
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _merge_splits(o, m, l):
-    """Combine per-split softmax partials: o [..., S, M, D], m and l [..., S, M] -> [..., M, D]."""
-    m_max = jnp.max(m, axis=-2, keepdims=True)  # [..., 1, M]
+def _merge_splits(o, m, l, kv_lens, q_lens, plan: tuning.TilePlan):
+    """Combine the split partials o f32 [S, B, T, Hq, D], m, l f32 [S, B, T, Hq] (base-2 max)
+    into [B, T, Hq, D]. Only (split, row) pairs the kernel wrote are read: valid rows whose
+    position reaches the split's first key; every other slot may hold anything."""
+    num_splits, _, t, _, _ = o.shape
+    live = jnp.where(q_lens > 0, kv_lens, 0)
+    per_split = tuning.keys_per_split(live, num_splits, plan.block_k, plan.min_keys_per_split)
+    rows = jnp.arange(t, dtype=jnp.int32)
+    pos = kv_lens[:, None] - q_lens[:, None] + rows[None, :]  # [B, T]
+    first_key = jnp.arange(num_splits, dtype=jnp.int32)[:, None, None] * per_split[None, :, None]
+    seen = (rows[None, None, :] < q_lens[None, :, None]) & (first_key <= pos[None])  # [S, B, T]
+    seen = seen[..., None]  # [S, B, T, 1]
+    m = jnp.where(seen, m, -jnp.inf)
+    m_max = jnp.max(m, axis=0)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = jnp.exp(m - m_max)  # [..., S, M]; 0 for splits that saw nothing
-    denom = jnp.sum(w * l, axis=-2)  # [..., M]
-    num = jnp.sum(w[..., None] * o, axis=-3)  # [..., M, D]
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that saw nothing -> 0
+    w = jnp.where(seen, jnp.exp2(m - m_max), 0.0)  # [S, B, T, Hq]
+    denom = jnp.sum(w * jnp.where(seen, l, 0.0), axis=0)  # [B, T, Hq]
+    num = jnp.sum(w[..., None] * jnp.where(seen[..., None], o, 0.0), axis=0)  # [B, T, Hq, D]
+    return num * jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)[..., None]
 
 
-def plan_tiles(
-    *,
-    batch: int,
-    kv_heads: int,
-    rows: int,
-    head_dim: int,
-    capacity: int,
-    itemsize: int,
-    entry: tuning.TileConfig,
-    block_q: Optional[int] = None,
-    block_k: Optional[int] = None,
-    num_splits: Optional[int] = None,
-) -> dict:
-    """Static tile sizes for one call: explicit arguments win, the rest come from ``entry``.
-
-    rows = T * G query rows per (sequence, KV head); capacity = max_pages_per_seq * page_size.
-    """
-    if block_q is None:
-        block_q = min(max(16, _next_pow2(rows)), entry.max_block_q)
-    if block_q < 16 or block_q & (block_q - 1):
-        raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
-    dp = max(16, _next_pow2(head_dim))
-    if block_k is None:
-        block_k = tuning.fit_block_k(entry, block_q, dp, itemsize)
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
-    num_q_blocks = -(-rows // block_q)
-    steps_total = max(1, -(-capacity // block_k))  # block_k steps covering the whole table
-    if num_splits is None:
-        # Enough programs for a few per core, but no split shorter than min_keys_per_split.
-        programs = batch * kv_heads * num_q_blocks
-        want = -(-entry.num_cores * entry.programs_per_core // programs)
-        most = max(1, capacity // entry.min_keys_per_split)
-        num_splits = max(1, min(want, most))
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    num_splits = min(num_splits, steps_total)
-    keys_per_split = -(-steps_total // num_splits) * block_k
-    num_splits = -(-capacity // keys_per_split) if capacity else 1  # drop empty trailing splits
-    return dict(block_q=block_q, block_k=block_k, head_dim_padded=dp,
-                num_q_blocks=num_q_blocks, num_splits=max(1, num_splits),
-                keys_per_split=keys_per_split)
+def plan_for(q, k_pages, block_tables, *, entry: Optional[tuning.TileConfig] = None,
+             block_q: Optional[int] = None, block_k: Optional[int] = None,
+             num_splits: Optional[int] = None, num_warps: Optional[int] = None,
+             num_stages: Optional[int] = None) -> tuning.TilePlan:
+    """The :class:`~pallas_kernels.tuning.TilePlan` a call with these shapes (arrays or
+    ``jax.ShapeDtypeStruct``) gets; ``entry`` defaults to :func:`tuning.current`."""
+    b, t, hq, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    return tuning.plan_tiles(
+        batch=b, kv_heads=kvh, rows=t * (hq // kvh), head_dim=d,
+        capacity=block_tables.shape[1] * page_size, itemsize=jnp.dtype(q.dtype).itemsize,
+        entry=tuning.current() if entry is None else entry, block_q=block_q, block_k=block_k,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_verify_attention(
@@ -318,12 +352,14 @@ def paged_verify_attention(
 ) -> jax.Array:  # [B, T, Hq, D]
     """Verification attention over a block-paged KV cache (the contract in the module doc).
 
-    Tile arguments left as ``None`` come from :func:`pallas_kernels.tuning.current` (the
-    ambient abstract device when lowering ahead of time, else the first device):
+    Tile arguments left as ``None`` come from :func:`pallas_kernels.tuning.plan_tiles` with the
+    entry :func:`~pallas_kernels.tuning.current` picks (the ambient abstract device when
+    lowering ahead of time, else the first device):
         block_q     query rows per program (power of two >= 16); T*G rows above it form
                     several q blocks, each reading the pages again (chunked prefill only)
-        block_k     keys per inner-loop step (power of two >= 16)
-        num_splits  programs sharing one sequence's keys (split-k), merged afterwards
+        block_k     keys per page-loop step (power of two >= 16)
+        num_splits  programs sharing one sequence's keys (split-k); 1 writes the result in
+                    the kernel, more write partials merged by XLA afterwards
         num_warps, num_stages   Triton launch parameters
     """
     check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
@@ -355,67 +391,62 @@ def _paged_verify_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """The jitted body of :func:`paged_verify_attention` (arguments already checked)."""
+    """The jitted body of :func:`paged_verify_attention` (arguments already checked).
+
+    Offsets: Triton's lowering computes element offsets in int64 for any operand above 2^32
+    bytes, which for the 2- and 4-byte dtypes accepted here covers every array that could pass
+    2^31 elements (tests/pallas_kernels checks the IR of a > 2^31-element cache)."""
     b, t, hq, d = q.shape
-    kvh, _, page_size, _ = k_pages.shape
-    group = hq // kvh
-    rows = t * group
-    capacity = block_tables.shape[1] * page_size
+    kvh, num_pages, page_size, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
     if q_lens is None:
         q_lens = jnp.full((b,), t, jnp.int32)
-    scale = d**-0.5 if sm_scale is None else float(sm_scale)
-
     entry = tuning.current()
-    plan = plan_tiles(batch=b, kv_heads=kvh, rows=rows, head_dim=d, capacity=capacity,
-                      itemsize=jnp.dtype(q.dtype).itemsize, entry=entry, block_q=block_q,
-                      block_k=block_k, num_splits=num_splits)
-    bq, bk, dp = plan["block_q"], plan["block_k"], plan["head_dim_padded"]
-    nq, ns = plan["num_q_blocks"], plan["num_splits"]
-    m_rows = nq * bq
+    plan = plan_for(q, k_pages, block_tables, entry=entry, block_q=block_q, block_k=block_k,
+                    num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    ns = plan.num_splits
+
+    kernel = functools.partial(
+        _paged_verify_kernel, group=hq // kvh, head_dim=d, page_size=page_size,
+        block_q=plan.block_q, head_dim_padded=plan.head_dim_padded, block_k=plan.block_k,
+        num_splits=ns, min_keys_per_split=plan.min_keys_per_split,
+        sm_scale=d**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap)
+    in_specs = [
+        pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # kv_lens
+        pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # q_lens
+        pl.BlockSpec((None, max_pages), lambda i, h, j, s: (i, 0)),  # block_tables
+        pl.BlockSpec((None, t, hq, d), lambda i, h, j, s: (i, 0, 0, 0)),  # q, in place
+        pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, j, s: (h, 0, 0, 0)),  # k
+        pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, j, s: (h, 0, 0, 0)),  # v
+    ]
+    if ns == 1:
+        out_specs = pl.BlockSpec((None, t, hq, d), lambda i, h, j, s: (i, 0, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((b, t, hq, d), q.dtype)
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, t, hq, d), lambda i, h, j, s: (s, i, 0, 0, 0)),  # o
+            pl.BlockSpec((None, None, t, hq), lambda i, h, j, s: (s, i, 0, 0)),  # m
+            pl.BlockSpec((None, None, t, hq), lambda i, h, j, s: (s, i, 0, 0)),  # l
+        ]
+        out_shape = [jax.ShapeDtypeStruct((ns, b, t, hq, d), jnp.float32),
+                     jax.ShapeDtypeStruct((ns, b, t, hq), jnp.float32),
+                     jax.ShapeDtypeStruct((ns, b, t, hq), jnp.float32)]
 
     with jax.named_scope("paged_verify_attention"):
-        # [B, T, KVH, G, D] -> [B, KVH, T*G, D]: all query rows of one KV head together.
-        qr = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, m_rows - rows), (0, dp - d)))
-
-        kernel = functools.partial(
-            _paged_verify_kernel, group=group, head_dim=d, page_size=page_size,
-            capacity=capacity, block_k=bk, keys_per_split=plan["keys_per_split"],
-            sm_scale=scale, soft_cap=soft_cap)
-        max_pages = block_tables.shape[1]
-        num_pages = k_pages.shape[1]
-        o, m, l = pl.pallas_call(
+        result = pl.pallas_call(
             kernel,
-            grid=(b, kvh, nq, ns),
-            in_specs=[
-                pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # kv_lens
-                pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # q_lens
-                pl.BlockSpec((None, max_pages), lambda i, h, j, s: (i, 0)),  # block_tables
-                pl.BlockSpec((None, None, bq, dp), lambda i, h, j, s: (i, h, j, 0)),  # q
-                pl.BlockSpec((None, num_pages, page_size, d),
-                             lambda i, h, j, s: (h, 0, 0, 0)),  # k_pages
-                pl.BlockSpec((None, num_pages, page_size, d),
-                             lambda i, h, j, s: (h, 0, 0, 0)),  # v_pages
-            ],
-            out_specs=[
-                pl.BlockSpec((None, None, None, bq, dp), lambda i, h, j, s: (i, h, s, j, 0)),
-                pl.BlockSpec((None, None, None, bq), lambda i, h, j, s: (i, h, s, j)),
-                pl.BlockSpec((None, None, None, bq), lambda i, h, j, s: (i, h, s, j)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((b, kvh, ns, m_rows, dp), jnp.float32),  # o
-                jax.ShapeDtypeStruct((b, kvh, ns, m_rows), jnp.float32),  # m
-                jax.ShapeDtypeStruct((b, kvh, ns, m_rows), jnp.float32),  # l
-            ],
-            compiler_params=plgpu.CompilerParams(
-                num_warps=entry.num_warps if num_warps is None else num_warps,
-                num_stages=entry.num_stages if num_stages is None else num_stages),
+            grid=plan.grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                                 num_stages=plan.num_stages),
             interpret=interpret,
-            # The tile entry's name in the kernel name shows in profiles and lowered HLO.
-            name=f"paged_verify_attention_{entry.name.replace('-', '_')}_bq{bq}_bk{bk}_s{ns}",
-        )(kv_lens, q_lens, block_tables, qr, k_pages, v_pages)
-
+            # The tile entry and plan in the kernel name show in profiles and lowered HLO.
+            name=(f"paged_verify_attention_{entry.name.replace('-', '_')}_bq{plan.block_q}"
+                  f"_bk{plan.block_k}_s{ns}_w{plan.num_warps}_st{plan.num_stages}"),
+        )(kv_lens, q_lens, block_tables, q, k_pages, v_pages)
+    if ns == 1:
+        return result
     with jax.named_scope("paged_verify_attention_merge"):
-        out = _merge_splits(o, m, l)  # [B, KVH, M, Dp]
-        out = out[:, :, :rows, :d].reshape(b, kvh, t, group, d)
-        return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+        return _merge_splits(*result, kv_lens, q_lens, plan).astype(q.dtype)
