@@ -9,7 +9,9 @@
 
 Bad input (a missing checkpoint, a prompt longer than the context, an out-of-range option)
 prints one line on stderr and exits with code 2, without a traceback; nothing is written to
-stdout before every check has passed.
+stdout before every check has passed. Options that need no model are checked before anything
+loads, those that need the config before the weights load (:mod:`jspec.cli.checks`). Ctrl-C
+prints one line and exits 130 (:mod:`jspec.cli.guard`).
 """
 
 from __future__ import annotations
@@ -20,17 +22,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
-EXIT_BAD_INPUT = 2
+from jspec.cli import checks, guard
+from jspec.cli.checks import parse_spec  # noqa: F401  (public: --spec syntax -> SpecConfig)
+from jspec.cli.guard import EXIT_BAD_INPUT  # noqa: F401
 
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's own usage dump is multi-line)
-        raise SystemExit(_fail(f"{self.prog}: {message}"))
-
-
-def _fail(message: str) -> int:
-    print(f"jspec: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+        raise SystemExit(guard.fail(f"{self.prog}: {message}"))
 
 
 def _quiet() -> None:
@@ -55,29 +54,6 @@ def _enable_compile_cache() -> None:
         pass
 
 
-def parse_spec(value: str, k: int):
-    """``none``, ``ngram``, ``layerskip:L``, ``draft:PATH_OR_NAME``, ``eagle:PATH`` -> SpecConfig."""
-    from jspec.config import SpecConfig
-    from jspec.errors import ConfigError
-
-    method, _, arg = value.partition(":")
-    if method in ("none", "ngram"):
-        if arg:
-            raise ConfigError(f"--spec {method} takes no argument, got {value!r}")
-        return SpecConfig(method, num_speculative_tokens=k)
-    if method == "layerskip":
-        try:
-            layers = int(arg)
-        except ValueError:
-            raise ConfigError(f"--spec layerskip:L needs an integer L, got {value!r}") from None
-        return SpecConfig(method, num_speculative_tokens=k, layerskip_layers=layers)
-    if method in ("draft", "eagle"):
-        if not arg:
-            raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
-        return SpecConfig(method, num_speculative_tokens=k, draft=arg)
-    raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH or eagle:PATH, got {value!r}")
-
-
 def _stream_printer(tokenizer):
     """Print text as tokens arrive, holding back incomplete multi-byte characters."""
     state = {"ids": [], "printed": 0}
@@ -96,13 +72,10 @@ def _stream_printer(tokenizer):
 
 def cmd_generate(args) -> int:
     import jspec
-    from jspec.config import CacheConfig, SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, max_tokens=args.max_new_tokens)
-    spec = parse_spec(args.spec, args.num_speculative_tokens)
-    if not args.prompt:
-        raise jspec.PromptError("prompt is empty")
+    sampling, spec, cache_config = checks.generate_options(args, [args.prompt])  # no model needed
+    config = jspec.load_config(args.model, dtype=args.dtype)  # headers only, no weights
+    checks.generate_fits(config, [args.prompt], sampling, spec, cache_config, chat=args.chat)
     model = jspec.load_model(args.model, dtype=args.dtype)
     if model.tokenizer is None:
         raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
@@ -110,7 +83,7 @@ def cmd_generate(args) -> int:
     on_tokens = None if args.json else _stream_printer(model.tokenizer)
     result = jspec.generate(model, [args.prompt], sampling, spec=spec, chat=args.chat,
                             attention=args.attention, on_tokens=on_tokens,
-                            cache_config=CacheConfig(page_size=args.page_size))
+                            cache_config=cache_config)
     if args.json:
         print(json.dumps({
             "text": result.texts[0],
@@ -178,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--spec", default="none",
                    help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH (default none)")
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help=f"drafts per verification step, 1..16 (default {checks.DEFAULT_K}; needs --spec)")
     g.add_argument("--attention", default="auto", choices=[a for a in ATTENTION_IMPLS if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
@@ -197,18 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``jspec`` command; returns the exit code (0, 2 bad input, 130 interrupted, 1 a bug)."""
     _quiet()
-    from jspec.errors import JspecError
 
-    try:
+    def run() -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    except JspecError as e:
-        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except KeyboardInterrupt:
-        return 130
+
+    return guard.run(run)
 
 
 if __name__ == "__main__":

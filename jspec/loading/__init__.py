@@ -121,9 +121,9 @@ def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
     fmt, path = resolve(name_or_path)
     if fmt == "hf":
         return open_hf_checkpoint(path, dtype)[0]
-    from jspec.loading.gguf_loader import GGUFFile
+    from jspec.loading.gguf_loader import open_gguf
 
-    return GGUFFile(path).open(dtype)
+    return open_gguf(path).open(dtype)
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import memory
+from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
 

@@ -182,11 +182,25 @@ class GGUFFile:
         return config
 
 
+_LAST: dict = {}  # the last GGUFFile opened: load_config then load_model parse the header once
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """A :class:`GGUFFile`, reused while the file's size and mtime are unchanged (parsing the
+    metadata of a real model takes seconds)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if _LAST.get("key") != key:
+        _LAST.clear()
+        _LAST.update(key=key, file=GGUFFile(path))
+    return _LAST["file"]
+
+
 def load_gguf(path: Path, dtype: str = "float32"):
     """(config, params) from a GGUF file."""
     from jspec.loading.convert import check_load_fits, params_from_hf
 
-    f = GGUFFile(path)
+    f = open_gguf(path)
     config = f.open(dtype)
     check_load_fits(config, str(path))
     return config, params_from_hf(config, f.getter(config), str(path))
