@@ -72,11 +72,12 @@ def _stream_printer(tokenizer):
 
 def cmd_generate(args) -> int:
     import jspec
+    from jspec.loading import open_checkpoint
 
     sampling, spec, cache_config = checks.generate_options(args, [args.prompt])  # no model needed
-    config = jspec.load_config(args.model, dtype=args.dtype)  # headers only, no weights
-    checks.generate_fits(config, [args.prompt], sampling, spec, cache_config, chat=args.chat)
-    model = jspec.load_model(args.model, dtype=args.dtype)
+    checkpoint = open_checkpoint(args.model, dtype=args.dtype)  # metadata and headers, no weights
+    checks.generate_fits(checkpoint.config, [args.prompt], sampling, spec, cache_config, chat=args.chat)
+    model = checkpoint.load()
     if model.tokenizer is None:
         raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
     _enable_compile_cache()

@@ -34,21 +34,21 @@ def add_distill_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
 
 
-_POSITIVE = ("prompts", "max_new_tokens", "steps", "batch_size", "draft_vocab", "draft_layers", "unroll",
-             "checkpoint_every", "gen_batch_size")
-
-
 def check_numbers(args) -> None:
     """Every number of ``jspec distill``, checked before the target loads."""
     import math
 
-    from jspec.config import INT32_MAX, MAX_SEED
+    from jspec.config import INT32_MAX, MAX_SEED, MAX_TOKENS
     from jspec.errors import ConfigError
+    from jspec.train.distill import DistillConfig, split_validation
 
-    for name in _POSITIVE:
+    limits = {"prompts": 1 << 20, "max_new_tokens": MAX_TOKENS, "steps": INT32_MAX, "batch_size": 1 << 16,
+              "draft_vocab": INT32_MAX, "draft_layers": 1 << 10, "unroll": 1 << 10, "checkpoint_every": INT32_MAX,
+              "gen_batch_size": 1 << 16}
+    for name, hi in limits.items():
         v = getattr(args, name)
-        if not 1 <= v <= INT32_MAX:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [1, {INT32_MAX}], got {v}")
+        if not 1 <= v <= hi:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [1, {hi}], got {v}")
     if not 0 <= args.eval_prompts <= 164:
         raise ConfigError(f"--eval-prompts must be in [0, 164] (HumanEval's problems), got {args.eval_prompts}")
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
@@ -57,8 +57,6 @@ def check_numbers(args) -> None:
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be in [0, 2^63), got {args.seed}")
-    from jspec.train.distill import DistillConfig, split_validation
-
     train_prompts = len(split_validation(args.prompts, DistillConfig.validation_fraction, args.seed)[0])
     if args.batch_size > train_prompts:
         raise ConfigError(f"--batch-size {args.batch_size} exceeds the {train_prompts} training prompts "
@@ -67,11 +65,12 @@ def check_numbers(args) -> None:
 
 def cmd_distill(args) -> int:
     import jspec
+    from jspec.loading import open_checkpoint
     from jspec.train.distill import DistillConfig, run
     from jspec.train.trainer import TrainConfig
 
     check_numbers(args)
-    jspec.load_config(args.target)  # a missing or broken target fails before anything else
+    target = open_checkpoint(args.target)  # a missing or broken target fails before anything else
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed)
@@ -83,7 +82,7 @@ def cmd_distill(args) -> int:
         raise jspec.ConfigError(f"--out {out} is a file, not a directory")
     if out.exists() and any(p.name != ".train" for p in out.iterdir()) and not args.resume:
         raise jspec.ConfigError(f"{out} already holds a checkpoint; pass --resume or choose another --out")
-    target = jspec.load_model(args.target)
+    target = target.load()
     card = run(target, args.target, out, dc, resume=args.resume, eval_prompts=args.eval_prompts)
     print(f"wrote {out} ({card['architecture']}, {card['training']['steps']} steps)")
     return 0

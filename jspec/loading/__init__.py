@@ -9,7 +9,8 @@ Every load validates before it allocates: the metadata against its schema
 (:mod:`jspec.loading.schema`), the config against the tensor shapes the file declares
 (:func:`jspec.loading.convert.check_checkpoint`), and the bytes the load will allocate against
 the memory available (:func:`jspec.loading.convert.check_load_fits`); then each tensor is
-checked for NaN/Inf as it is converted.
+checked for NaN/Inf as it is converted. :func:`open_checkpoint` stops before the weights (the
+CLI checks its options against the config first, then calls ``.load()``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from jspec.loading.hf import PICKLE_SUFFIXES, load_hf_params, open_hf_checkpoint, refuse_pickle
+from jspec.loading.hf import PICKLE_SUFFIXES, open_hf_checkpoint, refuse_pickle
 from jspec.loading.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -115,34 +116,50 @@ def _check_dtype(dtype) -> None:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
 
 
-def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
-    """The config of a model, checked against its tensors' shapes (headers only: cheap)."""
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint opened and validated (metadata schema, config against the tensors' shapes)
+    but not loaded: ``config`` is there at the cost of reading headers; :meth:`load` reads the
+    weights (after checking that they fit in memory)."""
+
+    config: ModelConfig
+    source: Path
+    format: str
+    _tensors: Any  # SafetensorsDir or GGUFFile
+
+    def load(self, tokenizer: bool = True) -> LoadedModel:
+        from jspec.loading.convert import check_load_fits, params_from_hf
+
+        check_load_fits(self.config, str(self.source))
+        get = self._tensors.get if self.format == "hf" else self._tensors.getter(self.config)
+        params = params_from_hf(self.config, get, str(self.source))
+        tok: Optional[Any] = load_tokenizer(self.format, self.source) if tokenizer else None
+        return LoadedModel(self.config, params, tok, self.source, self.format)
+
+
+def open_checkpoint(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32") -> Checkpoint:
+    """Resolve, read and validate a checkpoint's metadata and tensor headers (no weights)."""
     _check_dtype(dtype)
     fmt, path = resolve(name_or_path)
     if fmt == "hf":
-        return open_hf_checkpoint(path, dtype)[0]
-    from jspec.loading.gguf_loader import open_gguf
+        config, tensors = open_hf_checkpoint(path, dtype)
+        return Checkpoint(config, path, fmt, tensors)
+    from jspec.loading.gguf_loader import GGUFFile
 
-    return open_gguf(path).open(dtype)
+    f = GGUFFile(path)
+    return Checkpoint(f.open(dtype), path, fmt, f)
+
+
+def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+    """The config of a model, checked against its tensors' shapes (headers only: cheap)."""
+    return open_checkpoint(name_or_path, dtype=dtype).config
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",
                tokenizer: bool = True) -> LoadedModel:
     """Load a model by name or path (see the module docstring)."""
-    _check_dtype(dtype)
-    fmt, path = resolve(name_or_path)
-    if fmt == "hf":
-        from jspec.loading.convert import check_load_fits
-
-        config, tensors = open_hf_checkpoint(path, dtype)
-        check_load_fits(config, str(path))
-        params = load_hf_params(path, config, tensors)
-    else:
-        from jspec.loading.gguf_loader import load_gguf
-
-        config, params = load_gguf(path, dtype)
-    tok: Optional[Any] = load_tokenizer(fmt, path) if tokenizer else None
-    return LoadedModel(config, params, tok, path, fmt)
+    return open_checkpoint(name_or_path, dtype=dtype).load(tokenizer)
 
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "load_config", "load_model", "resolve", "smollm2_path"]
+__all__ = ["DEFAULT_MODEL", "Checkpoint", "LoadedModel", "load_config", "load_model", "open_checkpoint", "resolve",
+           "smollm2_path"]

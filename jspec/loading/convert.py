@@ -114,7 +114,9 @@ def check_load_fits(cfg: ModelConfig, source: str) -> None:
 def check_finite(t: np.ndarray, name: str, source: str, dtype: str = "float32") -> None:
     """Refuse a tensor holding NaN or Inf, or values float16 cannot hold when loading in float16.
     One float64 sum per tensor: it cannot overflow from float32 inputs, and NaN/Inf propagate."""
-    if not np.isfinite(np.sum(t, dtype=np.float64)):
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = np.sum(t, dtype=np.float64)
+    if not np.isfinite(total):
         bad = int(np.size(t) - np.count_nonzero(np.isfinite(t)))
         raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite values (NaN or Inf)")
     if dtype == "float16" and t.size and float(np.max(np.abs(t))) > FLOAT16_MAX:

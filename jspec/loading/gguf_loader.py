@@ -141,7 +141,8 @@ class GGUFFile:
 
         t = self.tensors[name]
         try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            with np.errstate(all="ignore"):  # NaN/Inf are reported by the caller, naming the tensor
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name} uses unsupported type {t.tensor_type.name}") from None
@@ -182,25 +183,11 @@ class GGUFFile:
         return config
 
 
-_LAST: dict = {}  # the last GGUFFile opened: load_config then load_model parse the header once
-
-
-def open_gguf(path: Path) -> GGUFFile:
-    """A :class:`GGUFFile`, reused while the file's size and mtime are unchanged (parsing the
-    metadata of a real model takes seconds)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if _LAST.get("key") != key:
-        _LAST.clear()
-        _LAST.update(key=key, file=GGUFFile(path))
-    return _LAST["file"]
-
-
 def load_gguf(path: Path, dtype: str = "float32"):
     """(config, params) from a GGUF file."""
     from jspec.loading.convert import check_load_fits, params_from_hf
 
-    f = open_gguf(path)
+    f = GGUFFile(path)
     config = f.open(dtype)
     check_load_fits(config, str(path))
     return config, params_from_hf(config, f.getter(config), str(path))
