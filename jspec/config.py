@@ -199,8 +199,8 @@ class SamplingParams:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ConfigError(f"top_k must be an integer in [-1, {INT32_MAX}] (0 or -1 = off), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
