@@ -1,7 +1,11 @@
 """Byte-level fuzzing of a small valid GGUF file and a small safetensors file: every mutation must
 end in a clean refusal (a JspecError) or a correct load (the config's shapes, finite weights),
 never another exception. Mutations are seeded (reproducible) and bounded in number and time;
-most hit the header and metadata, where the structure is."""
+most hit the header and metadata, where the structure is.
+
+Seen to fail on: ``check_finite`` made a no-op (loads with NaN weights succeed), and on the code
+before this change (GGUF mutations loaded NaN/Inf weights).
+"""
 
 import shutil
 import struct

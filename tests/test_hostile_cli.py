@@ -1,6 +1,11 @@
 """Every CLI path ends in one line: bad options exit 2 (before the model loads when they need no
 model, before the weights load when they need only the config), invalid UTF-8 in argv exits 2,
-a bug exits 1 with one line, and Ctrl-C exits 130 with one line whatever the run is doing."""
+a bug exits 1 with one line, and Ctrl-C exits 130 with one line whatever the run is doing.
+
+Mutations seen to fail: ``text_argument`` not encoding (UTF-8 unchecked), the ``-k`` without
+``--spec`` check removed (jspec/cli/checks.py), ``guard.interrupts`` made a no-op (the long
+device-loop test: the run ended by SIGSEGV / only after the loop).
+"""
 
 import os
 import signal
