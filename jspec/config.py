@@ -24,6 +24,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
+MAX_NGRAM = 64  # n-gram lookup unrolls one comparison per suffix token
 
 
 def _is_int(x) -> bool:
@@ -245,14 +246,19 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
+            if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= INT32_MAX:
+                raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if self.draft is not None and not isinstance(self.draft, str):
+            raise ConfigError(f"draft must be a name or path (str), got {self.draft!r}")
         if self.method == "none":
             return
         k = self.num_speculative_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "layerskip" and self.layerskip_layers < 1:
             raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
         if self.method in ("draft", "eagle") and not self.draft:

@@ -202,3 +202,26 @@ def test_ctrl_c_during_a_long_device_loop(long_run_dir):
     assert code == 130, (code, err)
     assert err == "jspec: interrupted\n", err
     assert seconds < 3, seconds
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(method="ngram", num_speculative_tokens=2.5), "num_speculative_tokens"),
+    (dict(method="ngram", num_speculative_tokens="4"), "num_speculative_tokens"),
+    (dict(method="ngram", num_speculative_tokens=True), "num_speculative_tokens"),
+    (dict(method="ngram", ngram_max=10**6), "ngram_max"),
+    (dict(method="layerskip", layerskip_layers=1.5), "layerskip_layers"),
+    (dict(method="draft", draft=7), "draft"),
+    (dict(method=["ngram"]), "spec method"),
+])
+def test_spec_config_types(kw, fragment):
+    with pytest.raises(jspec.ConfigError, match=fragment):
+        jspec.SpecConfig(**kw)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(page_size=16.0), "page_size"), (dict(page_size=True), "page_size"), (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(prefill_chunk=2**40), "prefill_chunk"), (dict(shuffle_pages="yes"), "shuffle_pages"),
+])
+def test_cache_config_types(kw, fragment):
+    with pytest.raises(jspec.ConfigError, match=fragment):
+        jspec.CacheConfig(**kw)

@@ -298,3 +298,32 @@ def test_draft_card_any_json(card, target, vocab):
             schema.check_card(c, "card.json")
         except jspec.CheckpointError as e:
             assert "card.json" in str(e)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(vocab_size="96"), "vocab_size"), (dict(num_layers=2**31), "num_layers"), (dict(num_heads=0), "num_heads"),
+    (dict(head_dim=16.0), "head_dim"), (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+    (dict(rope_theta=-1.0), "rope_theta"), (dict(eos_token_ids=(96,)), "eos_token_ids"),
+    (dict(eos_token_ids="1"), "eos_token_ids"), (dict(bos_token_id=-1), "bos_token_id"),
+    (dict(rope_scaling={"factor": 8.0}), "rope_scaling"), (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+    (dict(rope_freq_factors=(1.0,) * 7), "rope_freq_factors"), (dict(rope_freq_factors=(float("inf"),) * 8),
+                                                                 "rope_freq_factors"),
+])
+def test_model_config_types(kw, fragment):
+    """The library's own entry: ModelConfig checks type and range of every field (ConfigError)."""
+    import dataclasses
+
+    from helpers import TINY
+
+    with pytest.raises(jspec.ConfigError, match=fragment):
+        dataclasses.replace(TINY, **kw)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(factor=float("nan")), "factor"), (dict(low_freq_factor="1"), "low_freq_factor"),
+    (dict(high_freq_factor=0.5), "high_freq_factor"), (dict(original_max_position_embeddings=1.5),
+                                                       "original_max_position_embeddings"),
+])
+def test_rope_scaling_types(kw, fragment):
+    with pytest.raises(jspec.ConfigError, match=fragment):
+        jspec.RopeScaling(**kw)
