@@ -95,8 +95,8 @@ def run(fn: Callable[[], int]) -> int:
     with interrupts():
         try:
             return fn()
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+        except SystemExit as e:  # argparse: --help (0) or a refused option (2, its line printed)
+            return 0 if e.code is None else e.code if isinstance(e.code, int) else fail(str(e.code))
         except JspecError as e:
             return fail(str(e) or type(e).__name__)
         except KeyboardInterrupt:  # only where the handler could not be installed
