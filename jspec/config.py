@@ -22,6 +22,17 @@ from jspec.errors import ConfigError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
+INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
+MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
+MAX_NGRAM = 64  # n-gram lookup unrolls one comparison per suffix token
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +45,18 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        if self.factor <= 0 or self.low_freq_factor <= 0:
-            raise ConfigError(f"rope_scaling factors must be positive, got {self}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"rope_scaling {name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
         if self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError("rope_scaling high_freq_factor must exceed low_freq_factor")
+        n = self.original_max_position_embeddings
+        if not _is_int(n) or not 1 <= n <= INT32_MAX:
+            raise ConfigError(f"rope_scaling original_max_position_embeddings must be an integer in "
+                              f"[1, {INT32_MAX}], got {n!r}")
+        object.__setattr__(self, "original_max_position_embeddings", int(n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +85,15 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not _is_int(v) or not 1 <= v <= INT32_MAX:
+                raise ConfigError(f"{name} must be an integer in [1, {INT32_MAX}], got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -77,10 +103,26 @@ class ModelConfig:
             raise ConfigError(f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ConfigError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
-        if not isinstance(self.eos_token_ids, tuple):
-            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if self.rope_freq_factors is not None:
+            factors = tuple(self.rope_freq_factors)
+            if len(factors) != self.head_dim // 2:
+                raise ConfigError(f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} entries")
+            if not all(_is_real(f) and math.isfinite(f) and f > 0 for f in factors):
+                raise ConfigError("rope_freq_factors must be finite numbers > 0")
+            object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
+        for name in ("tie_word_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        eos = (self.eos_token_ids,) if _is_int(self.eos_token_ids) else self.eos_token_ids
+        if not isinstance(eos, (tuple, list)) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in eos):
+            raise ConfigError(f"eos_token_ids must be token ids in [0, {self.vocab_size}), got {self.eos_token_ids!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in eos))
+        bos = self.bos_token_id
+        if bos is not None and (not _is_int(bos) or not 0 <= bos < self.vocab_size):
+            raise ConfigError(f"bos_token_id must be a token id in [0, {self.vocab_size}) or None, got {bos!r}")
+        object.__setattr__(self, "bos_token_id", None if bos is None else int(bos))
 
     @property
     def q_size(self) -> int:
@@ -113,18 +155,13 @@ class CacheConfig:
     shuffle_pages: bool = False  # give sequences a random permutation of pages (tests)
 
     def __post_init__(self):
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
-        if self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+        ps = self.page_size
+        if not _is_int(ps) or not 1 <= ps <= MAX_PAGE_SIZE or ps & (ps - 1):
+            raise ConfigError(f"page_size must be a power of two in [1, {MAX_PAGE_SIZE}], got {ps!r}")
+        if not _is_int(self.prefill_chunk) or not 1 <= self.prefill_chunk <= MAX_TOKENS:
+            raise ConfigError(f"prefill_chunk must be an integer in [1, {MAX_TOKENS}], got {self.prefill_chunk!r}")
+        if not isinstance(self.shuffle_pages, bool):
+            raise ConfigError(f"shuffle_pages must be a bool, got {self.shuffle_pages!r}")
 
 
 MAX_SEED = 2**63 - 1
@@ -163,8 +200,8 @@ class SamplingParams:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ConfigError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ConfigError(f"top_k must be an integer in [-1, {INT32_MAX}] (0 or -1 = off), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -210,14 +247,19 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
+            if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= INT32_MAX:
+                raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if self.draft is not None and not isinstance(self.draft, str):
+            raise ConfigError(f"draft must be a name or path (str), got {self.draft!r}")
         if self.method == "none":
             return
         k = self.num_speculative_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "layerskip" and self.layerskip_layers < 1:
             raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
         if self.method in ("draft", "eagle") and not self.draft:

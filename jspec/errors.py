@@ -32,3 +32,8 @@ class PromptError(JspecError, ValueError):
 
 class DraftMismatchError(JspecError, ValueError):
     """A draft does not fit its target (vocabulary, card, layer count)."""
+
+
+class InsufficientMemoryError(JspecError, MemoryError):
+    """A load or a run would need more memory than the machine has available (checked before
+    anything is allocated; the message names both numbers)."""

@@ -9,7 +9,9 @@
 
 Bad input (a missing checkpoint, a prompt longer than the context, an out-of-range option)
 prints one line on stderr and exits with code 2, without a traceback; nothing is written to
-stdout before every check has passed.
+stdout before every check has passed. Options that need no model are checked before anything
+loads, those that need the config before the weights load (:mod:`jspec.cli.checks`). Ctrl-C
+prints one line and exits 130 (:mod:`jspec.cli.guard`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
-EXIT_BAD_INPUT = 2
+from jspec.cli import checks, guard
+from jspec.cli.checks import parse_spec  # noqa: F401  (public: --spec syntax -> SpecConfig)
+from jspec.cli.guard import EXIT_BAD_INPUT  # noqa: F401
 
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's own usage dump is multi-line)
-        raise SystemExit(_fail(f"{self.prog}: {message}"))
-
-
-def _fail(message: str) -> int:
-    print(f"jspec: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+        raise SystemExit(guard.fail(f"{self.prog}: {message}"))
 
 
 def _quiet() -> None:
@@ -54,27 +53,6 @@ def enable_compile_cache() -> None:
         pass
 
 
-def parse_spec(value: str, k: int):
-    """``none``, ``ngram``, ``layerskip:L``, ``draft:PATH_OR_NAME``, ``eagle:PATH`` -> SpecConfig."""
-    from jspec.config import SpecConfig
-    from jspec.errors import ConfigError
-
-    method, _, arg = value.partition(":")
-    if method in ("none", "ngram"):
-        if arg:
-            raise ConfigError(f"--spec {method} takes no argument, got {value!r}")
-        return SpecConfig(method, num_speculative_tokens=k)
-    if method == "layerskip":
-        try:
-            layers = int(arg)
-        except ValueError:
-            raise ConfigError(f"--spec layerskip:L needs an integer L, got {value!r}") from None
-        return SpecConfig(method, num_speculative_tokens=k, layerskip_layers=layers)
-    if method in ("draft", "eagle"):
-        if not arg:
-            raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
-        return SpecConfig(method, num_speculative_tokens=k, draft=arg)
-    raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH or eagle:PATH, got {value!r}")
 
 
 def cmd_info(args) -> int:
@@ -124,18 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``jspec`` command; returns the exit code (0, 2 bad input, 130 interrupted, 1 a bug)."""
     _quiet()
-    from jspec.errors import JspecError
 
-    try:
+    def run() -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    except JspecError as e:
-        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except KeyboardInterrupt:
-        return 130
+
+    return guard.run(run)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,43 @@ def add_distill_parser(sub) -> None:
     e.set_defaults(func=cmd_export)
 
 
+def check_numbers(args) -> None:
+    """Every number of ``jspec distill``, checked before the target loads."""
+    import math
+
+    from jspec.config import INT32_MAX, MAX_SEED, MAX_TOKENS
+    from jspec.errors import ConfigError
+    from jspec.train.distill import DistillConfig, split_validation
+
+    limits = {"prompts": 1 << 20, "max_new_tokens": MAX_TOKENS, "steps": INT32_MAX, "batch_size": 1 << 16,
+              "draft_vocab": INT32_MAX, "draft_layers": 1 << 10, "unroll": 1 << 10, "checkpoint_every": INT32_MAX,
+              "gen_batch_size": 1 << 16}
+    for name, hi in limits.items():
+        v = getattr(args, name)
+        if not 1 <= v <= hi:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [1, {hi}], got {v}")
+    if not 0 <= args.eval_prompts <= 164:
+        raise ConfigError(f"--eval-prompts must be in [0, 164] (HumanEval's problems), got {args.eval_prompts}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ConfigError(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ConfigError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be in [0, 2^63), got {args.seed}")
+    train_prompts = len(split_validation(args.prompts, DistillConfig.validation_fraction, args.seed)[0])
+    if args.batch_size > train_prompts:
+        raise ConfigError(f"--batch-size {args.batch_size} exceeds the {train_prompts} training prompts "
+                          f"(--prompts {args.prompts}, less the held-out ones)")
+
+
 def cmd_distill(args) -> int:
     import jspec
+    from jspec.loading import open_checkpoint
     from jspec.train.distill import DistillConfig, run
     from jspec.train.trainer import TrainConfig
+
+    check_numbers(args)
+    target = open_checkpoint(args.target)  # a missing or broken target fails before anything else
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed)
@@ -45,9 +78,11 @@ def cmd_distill(args) -> int:
                        draft_vocab=args.draft_vocab, draft_layers=args.draft_layers, unroll=args.unroll, train=tc,
                        gen_batch_size=args.gen_batch_size)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise jspec.ConfigError(f"--out {out} is a file, not a directory")
     if out.exists() and any(p.name != ".train" for p in out.iterdir()) and not args.resume:
         raise jspec.ConfigError(f"{out} already holds a checkpoint; pass --resume or choose another --out")
-    target = jspec.load_model(args.target)
+    target = target.load()
     card = run(target, args.target, out, dc, resume=args.resume, eval_prompts=args.eval_prompts)
     print(f"wrote {out} ({card['architecture']}, {card['training']['steps']} steps)")
     return 0
@@ -55,8 +90,11 @@ def cmd_distill(args) -> int:
 
 def cmd_export(args) -> int:
     import jspec
-    from jspec.loading.drafts import export_hf
+    from jspec.loading.drafts import export_hf, read_card
 
+    draft = Path(args.draft)
+    if not draft.is_dir() or read_card(draft) is None:
+        raise jspec.CheckpointNotFoundError(f"{draft}: not a jspec draft directory (no card.json)")
     target = jspec.load_model(args.target)
     print(f"wrote {export_hf(Path(args.draft), target, Path(args.out))}")
     return 0

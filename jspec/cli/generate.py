@@ -37,7 +37,8 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
     g.add_argument("--spec", default="none",
                    help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH (default none)")
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="drafts per step (default 4)")
+    g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -51,9 +52,10 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
 
 def read_prompts_file(path: str) -> list[dict]:
     """Requests of a prompts file: [{"prompt": str, <sampling overrides>}, ...]."""
+    from jspec.cli.checks import text_argument
     from jspec.errors import ConfigError, PromptError
 
-    p = Path(path)
+    p = Path(text_argument(path, "--prompts-file"))
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -98,26 +100,22 @@ def _stream_printer(tokenizer):
 
 def cmd_generate(args) -> int:
     import jspec
-    from jspec.cli import enable_compile_cache, parse_spec
-    from jspec.config import EngineConfig, SamplingParams
+    from jspec.cli import checks, enable_compile_cache
+    from jspec.config import EngineConfig
     from jspec.engine.engine import LLMEngine
+    from jspec.loading import open_checkpoint
     from jspec.timing import Stopwatch
 
-    # every check that needs no model runs before the model loads
-    if args.num_speculative_tokens is not None and args.spec == "none":
-        raise jspec.ConfigError("-k/--num-speculative-tokens needs --spec (for example --spec ngram)")
-    spec = parse_spec(args.spec, 4 if args.num_speculative_tokens is None else args.num_speculative_tokens)
+    # every check that needs no model runs before anything loads (jspec.cli.checks)
+    if bool(args.prompt) == bool(args.prompts_file):
+        raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
+    items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
+    prompts = [it["prompt"] for it in items]
+    base, spec, cache_config = checks.generate_options(args, prompts)
     if args.dynamic_k:
         if not spec.enabled:
             raise jspec.ConfigError("--dynamic-k needs --spec")
         spec = dataclasses.replace(spec, dynamic_k=True)
-    if bool(args.prompt) == bool(args.prompts_file):
-        raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
-    items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
-    if any(not it["prompt"] for it in items):
-        raise jspec.PromptError("prompt is empty")
-    base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     params = []
     for i, it in enumerate(items):
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}
@@ -126,22 +124,25 @@ def cmd_generate(args) -> int:
     n = len(items)
     seqs = args.max_num_seqs or min(n, 32)
     k = spec.num_speculative_tokens if spec.enabled else 0
-    config = EngineConfig(
-        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
-        kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
-        enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
-        max_model_len=None, max_burst_steps=8 if n == 1 and not args.json else 16)
-
-    model = jspec.load_model(args.model, dtype=args.dtype)
+    longest_budget = max(sp.max_tokens for sp in params)
+    # the config, then the fit (context, layer-skip depth, memory), then the weights
+    checkpoint = open_checkpoint(args.model, dtype=args.dtype)
+    checks.generate_fits(checkpoint.config, prompts[:seqs], dataclasses.replace(base, max_tokens=longest_budget), spec,
+                         cache_config, chat=args.chat)
+    model = checkpoint.load()
     if model.tokenizer is None:
         raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
-    longest = max(len(model.tokenizer(it["prompt"])["input_ids"]) + sp.max_tokens for it, sp in zip(items, params))
-    max_model_len = min(model.config.max_position_embeddings, max(longest + 64, 256))
-    config = dataclasses.replace(config, max_model_len=max_model_len,
-                                 kv_cache_tokens=args.kv_cache_tokens or seqs * (max_model_len + k + 1))
+    longest = max(len(model.tokenizer(p)["input_ids"]) + sp.max_tokens for p, sp in zip(prompts, params))
+    context = model.config.max_position_embeddings
+    max_model_len = min(context, checks.run_tokens(0, longest, 0, args.page_size, context, args.chat))
+    config = EngineConfig(
+        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
+        max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens or seqs * (max_model_len + k + 1),
+        page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
+        max_burst_steps=8 if n == 1 and not args.json else 16)
     enable_compile_cache()
     engine = LLMEngine(model, config, spec)
-    reqs = [engine.add_request(str(i), it["prompt"], sp, chat=args.chat) for i, (it, sp) in enumerate(zip(items, params))]
+    reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     stream = _stream_printer(model.tokenizer) if n == 1 and not args.json else None
     bar = None

@@ -20,6 +20,7 @@ import itertools
 import time
 from typing import Optional, Sequence, Union
 
+import jax
 import numpy as np
 
 from jspec import attention as attention_lib
@@ -30,6 +31,7 @@ from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_update
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
+from jspec.loading import memory
 from jspec.models.llama import Segment
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.steps import PlainStep, SpecStep
@@ -118,6 +120,16 @@ class LLMEngine:
         self.scheduler = Scheduler(num_slots=b, table_width=table_width, allocator=self.allocator,
                                    shapes=self.prefill_shapes, max_burst_steps=config.max_burst_steps,
                                    prefix_caching=config.enable_prefix_caching, salt=salt)
+        # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
+        # and the token buffer, checked against the memory available before anything is built
+        kv = memory.kv_cache_bytes(mc, num_pages * ps)
+        own = getattr(drafter, "cache_config", None)  # drafters with pages of their own
+        if own is not None:
+            kv += memory.kv_cache_bytes(own, num_pages * ps)
+        device = jax.local_devices()[0]
+        memory.check_fits(kv + memory.token_buffer_bytes(b, self.buffer_len),
+                          f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
+                          device=None if device.platform == "cpu" else device)
         state = init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
                                   model.params, drafter_params)
         self.runner = Runner(model.params, drafter_params, state, self.buffer_len)

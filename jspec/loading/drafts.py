@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from jspec.errors import CheckpointError, CheckpointNotFoundError, DraftMismatchError
+from jspec.loading import schema
 
 CARD = "card.json"
 FORMAT = "jspec-draft"
@@ -108,25 +109,25 @@ def write_json(path: Path, obj: Any) -> None:
 def resolve_draft_path(name_or_path: str) -> Path | None:
     """A path, or the name of a draft shipped in this project's ``checkpoints/``; None when
     neither exists (the name may still be a model name such as ``smollm2-135m``)."""
-    p = Path(name_or_path).expanduser()
-    if p.exists():
-        return p
-    if (SHIPPED / name_or_path).exists():
-        return SHIPPED / name_or_path
+    try:
+        p = Path(name_or_path).expanduser()
+        if p.exists():
+            return p
+        if (SHIPPED / name_or_path).exists():
+            return SHIPPED / name_or_path
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte
+        raise CheckpointNotFoundError(f"{name_or_path!r}: not a usable draft path ({e})") from None
     return None
 
 
 def read_card(directory: Path) -> dict[str, Any] | None:
+    """The draft's card checked against :data:`jspec.loading.schema.DRAFT_CARD`, None without one."""
+    from jspec.loading.hf import read_json
+
     path = directory / CARD
     if not path.exists():
         return None
-    try:
-        card = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if card.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a jspec draft card (format {card.get('format')!r})")
-    return card
+    return schema.check_card(read_json(path, "draft card"), str(path))
 
 
 def target_identity(target) -> dict:
@@ -139,11 +140,35 @@ def check_card(card: dict, target, source: Path, architecture: str) -> None:
     if card.get("architecture") != architecture:
         raise DraftMismatchError(f"{source}: card says architecture {card.get('architecture')!r}, "
                                  f"expected {architecture!r}")
-    want = card.get("target", {}).get("weights_sha256")
+    ident = card.get("target") or {}
+    vocab = ident.get("vocab_size")
+    if vocab is not None and vocab != target.config.vocab_size:
+        raise DraftMismatchError(f"{source}: draft was trained for a vocabulary of {vocab} tokens, the target "
+                                 f"{target.source.name} has {target.config.vocab_size}")
+    want = ident.get("weights_sha256")
     if want and want != target.weights_hash():
         raise DraftMismatchError(
-            f"{source}: draft was trained for target {card['target'].get('name')!r} "
+            f"{source}: draft was trained for target {ident.get('name')!r} "
             f"(weights sha256 {want[:12]}...), not for {target.source.name} ({target.weights_hash()[:12]}...)")
+
+
+def check_vocab_ids(ids, target, card: dict, source: Path) -> np.ndarray:
+    """A draft vocabulary: distinct integer ids of the target's vocabulary, as many as the card says."""
+    ids = np.asarray(ids)
+    v = target.config.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise CheckpointError(f"{source}: draft_vocab_ids must be a non-empty 1-D integer tensor, "
+                              f"got {ids.dtype} of shape {ids.shape}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= v:
+        raise DraftMismatchError(f"{source}: draft_vocab_ids hold ids in [{lo}, {hi}], outside the target's "
+                                 f"vocabulary [0, {v})")
+    if np.unique(ids).size != ids.size:
+        raise CheckpointError(f"{source}: draft_vocab_ids repeat {ids.size - np.unique(ids).size} ids")
+    size = (card.get("draft_vocab") or {}).get("size")
+    if size is not None and size != ids.size:
+        raise CheckpointError(f"{source}: draft_vocab_ids hold {ids.size} ids, the card says draft_vocab.size = {size}")
+    return ids.astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- small-llama
@@ -162,14 +187,15 @@ def save_small_llama(out: Path, config, params, vocab_ids, card: dict) -> None:
                                 shares_target_embedding=True))
 
 
-def load_small_llama(path: Path, target):
+def load_small_llama(path: Path, target, card: dict | None = None):
     """(LoadedModel of the draft with the target's embedding, draft vocabulary ids or None)."""
     from jspec.loading import LoadedModel
-    from jspec.loading.convert import params_from_hf
-    from jspec.loading.hf import SafetensorsDir, load_hf_config
+    from jspec.loading.convert import check_load_fits, params_from_hf
+    from jspec.loading.hf import open_hf_checkpoint
 
-    config = load_hf_config(path, target.config.dtype)
-    tensors = SafetensorsDir(path)
+    card = card or {}
+    config, tensors = open_hf_checkpoint(path, target.config.dtype, optional=("model.embed_tokens.weight",))
+    check_load_fits(config, str(path))
     embed = np.asarray(jax.device_get(target.params["embed_tokens"]["embedding"]))
 
     def get(name):
@@ -178,8 +204,15 @@ def load_small_llama(path: Path, target):
 
     params = params_from_hf(config, get, str(path))
     vocab_ids = None
-    if (path / "draft_vocab.safetensors").exists():
-        vocab_ids = jax.numpy.asarray(load_tensors(path / "draft_vocab.safetensors")["draft_vocab_ids"])
+    vocab_file = path / "draft_vocab.safetensors"
+    if vocab_file.exists():
+        flat = load_tensors(vocab_file)
+        if "draft_vocab_ids" not in flat:
+            raise CheckpointError(f"{vocab_file}: missing tensor draft_vocab_ids")
+        vocab_ids = jax.numpy.asarray(check_vocab_ids(flat["draft_vocab_ids"], target, card, vocab_file))
+    elif card.get("draft_vocab") is not None:
+        raise CheckpointError(f"{vocab_file}: missing (the card declares a draft vocabulary of "
+                              f"{card['draft_vocab'].get('size')} tokens)")
     return LoadedModel(config, params, target.tokenizer, path, "jspec-draft"), vocab_ids
 
 
@@ -195,7 +228,7 @@ def load_draft(name_or_path: str, target):
     if card is None:
         return load_model(str(path), dtype=target.config.dtype), None
     check_card(card, target, path, "small-llama")
-    return load_small_llama(path, target)
+    return load_small_llama(path, target, card)
 
 
 def export_hf(path: Path, target, out: Path) -> Path:
@@ -234,21 +267,49 @@ def load_eagle(name_or_path: str, target) -> dict:
     if card is None:
         raise CheckpointError(f"{path}: no {CARD}")
     check_card(card, target, path, "eagle")
-    flat = load_tensors(path / "eagle.safetensors")
-    vocab_ids = jnp.asarray(flat.pop("draft_vocab_ids"), jnp.int32)
+    file = path / "eagle.safetensors"
+    flat = load_tensors(file)
+    if "draft_vocab_ids" not in flat:
+        raise CheckpointError(f"{file}: missing tensor draft_vocab_ids")
+    vocab_ids = jnp.asarray(check_vocab_ids(flat.pop("draft_vocab_ids"), target, card, file), jnp.int32)
+    head = _check_eagle_tensors(flat, target.config, file)
     dtype = jnp.dtype(target.config.dtype)
-    head = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype),
-                                  unflatten({k[len("head/"):]: v for k, v in flat.items()}))
-    _check_eagle_shapes(head, target.config, path)
+    head = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), unflatten(head))
     lm_head = jnp.take(output_embedding(target.params, target.config), vocab_ids, axis=0)
     return {"head": head, "lm_head": lm_head, "vocab_ids": vocab_ids}
 
 
-def _check_eagle_shapes(head, config, path: Path) -> None:
+def _shapes(tree, prefix: str = "") -> dict[str, tuple]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_shapes(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = tuple(v.shape)
+    return out
+
+
+def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path) -> dict[str, np.ndarray]:
+    """The ``head/...`` tensors of an EAGLE file, named and shaped as the target's config implies
+    (each one finite); returns them without the ``head/`` prefix."""
+    from jspec.loading.convert import check_finite
     from jspec.models.eagle import init_eagle_params
 
-    want = jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0)))
-    got_shapes = jax.tree_util.tree_map(lambda x: x.shape, head)
-    want_shapes = jax.tree_util.tree_map(lambda x: x.shape, want)
-    if got_shapes != want_shapes:
-        raise DraftMismatchError(f"{path}: EAGLE head shapes do not fit the target's config")
+    want = _shapes(jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0))))
+    got = {k[len("head/"):]: v for k, v in flat.items() if k.startswith("head/")}
+    extra = sorted(set(flat) - {f"head/{k}" for k in got})
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise CheckpointError(f"{file}: missing tensor head/{missing[0]} (an EAGLE head has {len(want)} tensors, "
+                              f"{len(missing)} missing)")
+    extra += sorted(f"head/{k}" for k in set(got) - set(want))
+    if extra:
+        raise CheckpointError(f"{file}: unexpected tensor {extra[0]} in an EAGLE head")
+    for k, shape in want.items():
+        if tuple(got[k].shape) != shape:
+            raise DraftMismatchError(f"{file}: tensor head/{k} has shape {tuple(got[k].shape)}, the target's "
+                                     f"config implies {shape}")
+        if got[k].dtype.kind in "biucOSU":
+            raise CheckpointError(f"{file}: tensor head/{k} has dtype {got[k].dtype}, expected floating point")
+        check_finite(np.asarray(got[k], np.float32), f"head/{k}", str(file), config.dtype)
+    return got

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.errors import CheckpointError, UnsupportedModelError
+from jspec.errors import CheckpointError, ConfigError, UnsupportedModelError
+from jspec.loading import schema
+from jspec.loading.gguf_header import check_gguf_header
 
 # llama.cpp name -> Hugging Face name ("{n}" is the layer index)
 _LAYER_NAMES = {
@@ -37,10 +39,9 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, n, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{n}.{_LAYER_NAMES[rest]}"
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
     return None
 
 
@@ -51,19 +52,35 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class GGUFFile:
-    """A parsed GGUF file: metadata fields and lazily dequantized tensors."""
+    """A parsed GGUF file: schema-checked metadata and lazily dequantized tensors.
+
+    The header's counts and ranges are checked against the file (:mod:`.gguf_header`) before
+    ``gguf``'s reader parses it; the metadata jspec reads goes through
+    :func:`jspec.loading.schema.gguf_fields`.
+    """
 
     def __init__(self, path: Path):
         import gguf
 
         self.path = path
+        check_gguf_header(path)
         try:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as e:  # truncated or corrupt: the reader raises many kinds
-            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.arch = self.field("general.architecture")
-        if self.arch not in ("llama", "qwen2", "mistral"):
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
+        self.tensors = {}  # GGUF name -> ReaderTensor
+        self._by_hf: dict[str, str] = {}  # Hugging Face name -> GGUF name
+        for t in self.reader.tensors:
+            hf = hf_name(t.name)
+            if hf is not None and hf in self._by_hf:
+                raise CheckpointError(f"{path}: tensors {self._by_hf[hf]} and {t.name} are the same tensor")
+            self.tensors[t.name] = t
+            if hf is not None:
+                self._by_hf[hf] = t.name
+        arch = schema.check({"general.architecture": self.field("general.architecture")},
+                            (schema.Field("general.architecture", "str", required=True),), str(path))
+        self.arch = arch["general.architecture"]
+        if self.arch not in schema.GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {self.arch!r} "
                                         "(jspec runs llama, qwen2 and mistral)")
 
@@ -74,82 +91,103 @@ class GGUFFile:
         try:
             return f.contents()
         except Exception as e:
-            raise CheckpointError(f"{self.path}: corrupt metadata field {key} ({e})") from None
+            raise CheckpointError(f"{self.path}: corrupt metadata field {key} ({str(e)[:200]})") from None
 
-    def _arch_field(self, key: str, default=None, required: bool = True):
-        v = self.field(f"{self.arch}.{key}", default)
-        if v is None and required:
-            raise CheckpointError(f"{self.path}: missing metadata {self.arch}.{key}")
-        return v
+    def metadata(self) -> dict:
+        """The metadata fields jspec reads, checked against their schema."""
+        fields = schema.gguf_fields(self.arch)
+        return schema.check({f.key: self.field(f.key) for f in fields}, fields, str(self.path))
 
     def config(self, dtype: str = "float32") -> ModelConfig:
-        heads = int(self._arch_field("attention.head_count"))
-        hidden = int(self._arch_field("embedding_length"))
-        tokens = self.field("tokenizer.ggml.tokens")
-        vocab = self._arch_field("vocab_size", len(tokens) if tokens else None)
-        head_dim = self._arch_field("attention.key_length", None, required=False) or hidden // heads
+        m, a = self.metadata(), f"{self.arch}."
+        sizes = schema.gguf_consistency(m, self.arch, str(self.path))
         factors = None
         if "rope_freqs.weight" in self.tensors:
+            t = self.tensors["rope_freqs.weight"]
+            if int(t.n_elements) != sizes["head_dim"] // 2:
+                raise CheckpointError(f"{self.path}: tensor rope_freqs.weight has {int(t.n_elements)} values, "
+                                      f"expected head_dim/2 = {sizes['head_dim'] // 2}")
             factors = tuple(float(x) for x in self._dequantize("rope_freqs.weight").reshape(-1))
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(self._arch_field("feed_forward_length")),
-            num_layers=int(self._arch_field("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(self._arch_field("attention.head_count_kv", heads)),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self._arch_field("rope.freq_base", 10000.0)),
-            rope_freq_factors=factors,
-            max_position_embeddings=int(self._arch_field("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in self.tensors,
-            qkv_bias="blk.0.attn_q.bias" in self.tensors,
-            architecture="llama" if self.arch == "mistral" else self.arch,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-            dtype=dtype,
-        )
+        eos = m["tokenizer.ggml.eos_token_id"]
+        try:
+            return ModelConfig(
+                vocab_size=sizes["vocab_size"],
+                hidden_size=m[a + "embedding_length"],
+                intermediate_size=m[a + "feed_forward_length"],
+                num_layers=m[a + "block_count"],
+                num_heads=sizes["num_heads"],
+                num_kv_heads=sizes["num_kv_heads"],
+                head_dim=sizes["head_dim"],
+                rms_norm_eps=m[a + "attention.layer_norm_rms_epsilon"],
+                rope_theta=m[a + "rope.freq_base"],
+                rope_freq_factors=factors,
+                max_position_embeddings=m[a + "context_length"],
+                tie_word_embeddings="output.weight" not in self.tensors,
+                qkv_bias="blk.0.attn_q.bias" in self.tensors,
+                architecture="llama" if self.arch == "mistral" else self.arch,
+                bos_token_id=m["tokenizer.ggml.bos_token_id"],
+                eos_token_ids=() if eos is None else (eos,),
+                dtype=dtype,
+            )
+        except ConfigError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the model tensors under Hugging Face names, from the header (no data read)."""
+        return {hf: tuple(int(x) for x in reversed(self.tensors[g].shape.tolist())) for hf, g in self._by_hf.items()}
 
     def _dequantize(self, name: str) -> np.ndarray:
         import gguf
 
         t = self.tensors[name]
         try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            with np.errstate(all="ignore"):  # NaN/Inf are reported by the caller, naming the tensor
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name} uses unsupported type {t.tensor_type.name}") from None
         except Exception as e:
-            raise CheckpointError(f"{self.path}: cannot dequantize {name} ({e})") from None
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+            raise CheckpointError(f"{self.path}: cannot dequantize {name} ({str(e)[:200]})") from None
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         if data.size != int(np.prod(shape)):
             raise CheckpointError(f"{self.path}: tensor {name} holds {data.size} values, expected {shape}")
         return data.reshape(shape)
 
-    def hf_tensors(self, config: ModelConfig) -> dict[str, np.ndarray]:
-        """All model tensors under Hugging Face names, Q/K permutation undone."""
-        out = {}
-        for name in self.tensors:
-            hf = hf_name(name)
-            if hf is None:
-                continue
+    def getter(self, config: ModelConfig):
+        """``get(hf_name) -> array | None``: one tensor dequantized on demand, Q/K permutation undone."""
+        def get(hf: str):
+            name = self._by_hf.get(hf)
+            if name is None:
+                return None
             w = self._dequantize(name)
             if self.arch in ("llama", "mistral"):
                 if hf.endswith("q_proj.weight"):
                     w = unpermute_qk(w, config.num_heads)
                 elif hf.endswith("k_proj.weight"):
                     w = unpermute_qk(w, config.num_kv_heads)
-            out[hf] = w
-        return out
+            return w
+
+        return get
+
+    def hf_tensors(self, config: ModelConfig) -> dict[str, np.ndarray]:
+        """All model tensors under Hugging Face names, Q/K permutation undone."""
+        get = self.getter(config)
+        return {hf: get(hf) for hf in self._by_hf}
+
+    def open(self, dtype: str = "float32") -> ModelConfig:
+        """The config, checked against the tensors' shapes before any tensor is dequantized."""
+        from jspec.loading.convert import check_checkpoint
+
+        config = self.config(dtype)
+        check_checkpoint(config, self.hf_shapes(), str(self.path), layers_field=f"{self.arch}.block_count")
+        return config
 
 
 def load_gguf(path: Path, dtype: str = "float32"):
     """(config, params) from a GGUF file."""
-    from jspec.loading.convert import params_from_hf
+    from jspec.loading.convert import check_load_fits, params_from_hf
 
     f = GGUFFile(path)
-    config = f.config(dtype)
-    tensors = f.hf_tensors(config)
-    return config, params_from_hf(config, tensors.get, str(path))
+    config = f.open(dtype)
+    check_load_fits(config, str(path))
+    return config, params_from_hf(config, f.getter(config), str(path))

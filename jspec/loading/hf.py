@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from jspec.config import ModelConfig, RopeScaling
+from jspec.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from jspec.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedModelError
+from jspec.loading import schema
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -23,63 +24,75 @@ def refuse_pickle(path: Path) -> None:
         "arbitrary code); convert to safetensors or GGUF")
 
 
-def _required(d: dict, key: str, source: str) -> Any:
-    if key not in d:
-        raise CheckpointError(f"{source}: missing {key!r}")
-    return d[key]
+MAX_JSON_BYTES = 64 << 20  # config, generation config and index files are kilobytes
 
 
-def config_from_hf(d: dict, source: str = "config.json", dtype: str = "float32",
-                   generation: Optional[dict] = None) -> ModelConfig:
-    """A :class:`ModelConfig` from a Hugging Face ``config.json`` dictionary."""
-    model_type = d.get("model_type")
-    if model_type not in ("llama", "qwen2", "mistral"):
+def read_json(path: Path, what: str = "JSON") -> Any:
+    """Parse a small JSON file; any failure is a :class:`CheckpointError` naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes is too large for a {what} file (limit {MAX_JSON_BYTES})")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not valid {what} ({type(e).__name__}: {str(e)[:200]})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
+                   generation: Optional[Any] = None, generation_source: str = "generation_config.json") -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` (and ``generation_config.json``)
+    dictionary, both checked against their schema first (:mod:`jspec.loading.schema`)."""
+    model_type = schema.check(d, schema.HF_MODEL_TYPE, source)["model_type"]
+    if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {model_type!r} "
             f"(architectures={d.get('architectures')}); jspec runs llama, qwen2 and mistral")
-    if d.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act {d.get('hidden_act')!r} is not silu")
-    if d.get("mlp_bias", False):
+    c = schema.check(d, schema.HF_CONFIG, source)
+    if c["hidden_act"] != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act {c['hidden_act']!r} is not silu")
+    if c["mlp_bias"]:
         raise UnsupportedModelError(f"{source}: mlp_bias is not supported")
-    hidden = int(_required(d, "hidden_size", source))
-    heads = int(_required(d, "num_attention_heads", source))
-    rope = dict(d.get("rope_parameters") or {})
-    rope.update(d.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
+    schema.hf_consistency(c, source)
+    rope = schema.hf_rope(c, source)
+    if rope["rope_type"] == "llama3":
+        scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                              rope["original_max_position_embeddings"])
+    elif rope["rope_type"] == "default":
         scaling = None
-    elif rope_type == "llama3":
-        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
     else:
-        raise UnsupportedModelError(f"{source}: rope type {rope_type!r} is not supported (default, llama3)")
-    max_pos = int(d.get("max_position_embeddings", 2048))
-    window = d.get("sliding_window")
-    if window and (model_type == "mistral" or d.get("use_sliding_window")):
-        max_pos = min(max_pos, int(window))  # within the window, sliding attention is full attention
-    eos = d.get("eos_token_id")
-    if generation and generation.get("eos_token_id") is not None:
-        eos = generation["eos_token_id"]
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        raise UnsupportedModelError(f"{source}: rope type {rope['rope_type']!r} is not supported (default, llama3)")
+    max_pos = c["max_position_embeddings"]
+    window = c["sliding_window"]
+    if window and (model_type == "mistral" or c["use_sliding_window"]):
+        max_pos = min(max_pos, window)  # within the window, sliding attention is full attention
+    eos = c["eos_token_id"]
+    if generation is not None:
+        g = schema.check(generation, schema.GENERATION_CONFIG, generation_source)
+        schema.check_token_ids(g, c["vocab_size"], generation_source)
+        if g["eos_token_id"] is not None:
+            eos = g["eos_token_id"]
+    heads = c["num_attention_heads"]
+    theta = c["rope_theta"] or rope["rope_theta"] or 10000.0
     try:
         return ModelConfig(
-            vocab_size=int(_required(d, "vocab_size", source)),
-            hidden_size=hidden,
-            intermediate_size=int(_required(d, "intermediate_size", source)),
-            num_layers=int(_required(d, "num_hidden_layers", source)),
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            num_kv_heads=c["num_key_value_heads"] or heads,
+            head_dim=c["head_dim"] or c["hidden_size"] // heads,
+            rms_norm_eps=c["rms_norm_eps"],
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+            tie_word_embeddings=c["tie_word_embeddings"],
+            qkv_bias=model_type == "qwen2" or c["attention_bias"],
             architecture=model_type,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos,
+            bos_token_id=c["bos_token_id"],
+            eos_token_ids=eos or (),
             dtype=dtype,
         )
     except ConfigError as e:
@@ -87,7 +100,8 @@ def config_from_hf(d: dict, source: str = "config.json", dtype: str = "float32",
 
 
 class SafetensorsDir:
-    """Lazy access to the tensors of a directory of safetensors files."""
+    """Lazy access to the tensors of a directory of safetensors files (headers read at once,
+    tensor data only by :meth:`get`)."""
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
@@ -95,10 +109,7 @@ class SafetensorsDir:
         self.directory = directory
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = schema.check_index(read_json(index, "safetensors index"), str(index))
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
@@ -111,13 +122,37 @@ class SafetensorsDir:
         self._handles = {}
         for name in files:
             path = directory / name
-            if not path.exists():
+            if not path.is_file():
                 raise CheckpointError(f"{path}: shard named by the index is missing")
             try:
                 self._handles[name] = safe_open(str(path), framework="np")
             except Exception as e:  # safetensors raises its own error type on corrupt headers
-                raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
-        self._where = weight_map or {k: n for n, h in self._handles.items() for k in h.keys()}
+                raise CheckpointError(f"{path}: cannot read safetensors file ({str(e)[:200]})") from None
+        if weight_map is None:
+            self._where = {}
+            for n, h in self._handles.items():
+                for k in h.keys():
+                    if k in self._where:
+                        raise CheckpointError(f"{directory}: tensor {k} is in both {self._where[k]} and {n}")
+                    self._where[k] = n
+        else:
+            self._where = weight_map
+            for k, n in weight_map.items():
+                if k not in self._handles[n].keys():
+                    raise CheckpointError(f"{index}: tensor {k} is not in {n}, the shard the index names")
+
+    def shape(self, name: str) -> Optional[tuple[int, ...]]:
+        """Shape of a tensor from its file's header (no data read), None when absent."""
+        shard = self._where.get(name)
+        if shard is None:
+            return None
+        try:
+            return tuple(int(x) for x in self._handles[shard].get_slice(name).get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{self.directory / shard}: cannot read the header of tensor {name} ({e})") from None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: self.shape(k) for k in self._where}
 
     def get(self, name: str):
         shard = self._where.get(name)
@@ -126,29 +161,41 @@ class SafetensorsDir:
         try:
             return self._handles[shard].get_tensor(name)
         except Exception as e:
-            raise CheckpointError(f"{self.directory / shard}: cannot read tensor {name} ({e})") from None
+            raise CheckpointError(f"{self.directory / shard}: cannot read tensor {name} ({str(e)[:200]})") from None
 
     def keys(self):
         return self._where.keys()
 
 
 def load_hf_config(directory: Path, dtype: str = "float32") -> ModelConfig:
+    """The config of a Hugging Face directory (``config.json`` + ``generation_config.json``),
+    schema-checked; the weights are not looked at (see :func:`open_hf_checkpoint`)."""
     path = directory / "config.json"
     if not path.exists():
         raise CheckpointNotFoundError(f"{directory}: no config.json")
-    try:
-        d = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path)
     gen_path = directory / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
-    return config_from_hf(d, str(path), dtype, gen)
+    gen = read_json(gen_path) if gen_path.exists() else None
+    return config_from_hf(d, str(path), dtype, gen, str(gen_path))
 
 
-def load_hf_params(directory: Path, config: ModelConfig):
+def open_hf_checkpoint(directory: Path, dtype: str = "float32", optional: tuple[str, ...] = ()):
+    """(config, SafetensorsDir) with the config checked against the tensors' headers: layer
+    count and every shape, before any tensor data is read (``optional``: names that may be
+    missing, such as a draft's shared embedding)."""
+    from jspec.loading.convert import check_checkpoint
+
+    config = load_hf_config(directory, dtype)
+    tensors = SafetensorsDir(directory)
+    check_checkpoint(config, tensors.shapes(), str(directory), layers_field="num_hidden_layers",
+                     optional=optional)
+    return config, tensors
+
+
+def load_hf_params(directory: Path, config: ModelConfig, tensors: Optional[SafetensorsDir] = None):
     from jspec.loading.convert import params_from_hf
 
-    return params_from_hf(config, SafetensorsDir(directory).get, str(directory))
+    return params_from_hf(config, (tensors or SafetensorsDir(directory)).get, str(directory))
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

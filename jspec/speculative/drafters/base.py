@@ -23,6 +23,9 @@ prefilled chunk by chunk in the same steps as the target, and after each step ba
         after a speculative step committed (``prev_state``: the state the step started from)
     catch_up(drafter_params, target_params, prev_state, state, hidden) -> state
         after a plain one-token step (no proposal ran): stay in step with the target
+
+Drafters with pages of their own also have ``cache_config``: the ModelConfig of those pages
+(for the engine's memory estimate).
 """
 
 from __future__ import annotations

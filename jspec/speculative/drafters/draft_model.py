@@ -46,6 +46,11 @@ class DraftModelDrafter:
     attention: str = "reference"
     draft_vocab: bool = False
 
+    @property
+    def cache_config(self) -> ModelConfig:
+        """The shape of the pages this drafter keeps (memory estimates)."""
+        return self.config
+
     def _model(self, dparams):
         return dparams["model"] if self.draft_vocab else dparams
 

@@ -51,6 +51,11 @@ class EagleDrafter:
     config: ModelConfig  # the target's
     attention: str = "reference"
 
+    @property
+    def cache_config(self) -> ModelConfig:
+        """The shape of the pages this drafter keeps (one layer of the target's shape)."""
+        return dataclasses.replace(self.config, num_layers=1)
+
     def _view(self, d: EagleState, target_cache, lengths=None):
         return cache_view(target_cache, d.k_pages, d.v_pages, d.lengths if lengths is None else lengths)
 

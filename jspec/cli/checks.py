@@ -1,0 +1,137 @@
+"""Option checks of ``jspec generate``, in two stages so that nothing slow runs on bad input.
+
+1. :func:`generate_options` needs no model: prompts (valid UTF-8, not empty), sampling numbers
+   (:class:`SamplingParams`), ``--spec`` and ``-k`` (``-k`` without ``--spec`` is refused),
+   ``--page-size``, ``--attention`` against the backend, and that a draft path exists.
+2. :func:`generate_fits` needs only the model's config (``jspec.load_config`` reads headers,
+   not weights): the token budget against the context, ``layerskip:L`` against the layer
+   count, and the bytes of weights + KV cache against the memory available.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jspec.config import CacheConfig, ModelConfig, SamplingParams, SpecConfig
+from jspec.errors import ConfigError, PromptError
+
+DEFAULT_K = 4
+SHAPE_QUANTUM = 64  # the engine rounds token buffers and pages up to this many tokens
+CHAT_TEMPLATE_TOKENS = 256  # upper bound of what a chat template adds around a prompt
+
+
+def text_argument(value: str, what: str) -> str:
+    """A command-line string that must be text: Python maps bytes that are not UTF-8 to lone
+    surrogates (``surrogateescape``); refuse them with the offending byte."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(value[e.start]) - 0xDC00 if 0xDC80 <= ord(value[e.start]) <= 0xDCFF else None
+        at = f"byte 0x{byte:02x}" if byte is not None else f"character U+{ord(value[e.start]):04X}"
+        raise PromptError(f"{what} is not valid UTF-8 ({at} at position {e.start})") from None
+    return value
+
+
+def parse_spec(value: str, k: int) -> SpecConfig:
+    """``none``, ``ngram``, ``layerskip:L``, ``draft:PATH_OR_NAME``, ``eagle:PATH`` -> SpecConfig."""
+    method, _, arg = value.partition(":")
+    if method in ("none", "ngram"):
+        if arg:
+            raise ConfigError(f"--spec {method} takes no argument, got {value!r}")
+        return SpecConfig(method, num_speculative_tokens=k)
+    if method == "layerskip":
+        try:
+            layers = int(arg)
+        except ValueError:
+            raise ConfigError(f"--spec layerskip:L needs an integer L, got {value!r}") from None
+        return SpecConfig(method, num_speculative_tokens=k, layerskip_layers=layers)
+    if method in ("draft", "eagle"):
+        if not arg:
+            raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
+        return SpecConfig(method, num_speculative_tokens=k, draft=arg)
+    raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH or eagle:PATH, got {value!r}")
+
+
+def _check_attention(impl: str) -> None:
+    from jspec.attention import resolve
+
+    try:
+        resolve(impl)
+    except ConfigError:
+        import jax
+
+        raise ConfigError(f"--attention {impl} compiles for a GPU and the backend is {jax.default_backend()!r}; "
+                          "use --attention auto or reference") from None
+
+
+def _check_draft_exists(spec: SpecConfig) -> None:
+    from jspec.errors import CheckpointNotFoundError
+    from jspec.loading import resolve
+    from jspec.loading.drafts import resolve_draft_path
+
+    path = resolve_draft_path(spec.draft)
+    if spec.method == "eagle" and (path is None or not path.is_dir()):
+        raise CheckpointNotFoundError(f"--spec eagle:{spec.draft}: no such EAGLE checkpoint directory")
+    if spec.method == "draft" and path is None:
+        resolve(spec.draft)  # a model name (smollm2-135m) or nothing: raises
+
+
+def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, SpecConfig, CacheConfig]:
+    """Every check that needs no model (stage 1 of the module docstring)."""
+    if not prompts:
+        raise PromptError("no prompt given")
+    for i, p in enumerate(prompts):
+        text_argument(p, "the prompt" if len(prompts) == 1 else f"prompt {i}")
+        if not p:
+            raise PromptError("prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                              ignore_eos=args.ignore_eos)
+    k = args.num_speculative_tokens
+    if k is not None and args.spec.partition(":")[0] == "none":
+        raise ConfigError("-k/--num-speculative-tokens needs --spec (speculation is off without it)")
+    spec = parse_spec(args.spec, DEFAULT_K if k is None else k)
+    cache_config = CacheConfig(page_size=args.page_size)
+    _check_attention(args.attention)
+    if spec.method in ("draft", "eagle"):
+        _check_draft_exists(spec)
+    return sampling, spec, cache_config
+
+
+def run_tokens(prompt_bytes: int, max_tokens: int, k: int, page_size: int, context: int, chat: bool) -> int:
+    """Token slots one sequence can occupy: prompt (at most one token per byte, plus BOS and a
+    chat template) + budget + verification slack, within the context, rounded up as the engine does."""
+    tokens = min(context, prompt_bytes + 2 + (CHAT_TEMPLATE_TOKENS if chat else 0) + max_tokens) + k + 1
+    quantum = max(SHAPE_QUANTUM, page_size)
+    return -(-tokens // quantum) * quantum
+
+
+def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: SamplingParams, spec: SpecConfig,
+                  cache_config: CacheConfig, chat: bool = False) -> None:
+    """Checks that need the model's config but not its weights (stage 2 of the module docstring)."""
+    import jax
+
+    from jspec.loading import memory
+    from jspec.loading.convert import load_bytes
+
+    context = config.max_position_embeddings
+    if sampling.max_tokens >= context:
+        raise PromptError(f"--max-tokens {sampling.max_tokens} does not fit the model's context of "
+                          f"{context} tokens (the prompt needs at least one)")
+    if spec.method == "layerskip" and not 1 <= spec.layerskip_layers < config.num_layers:
+        raise ConfigError(f"layerskip:L needs 1 <= L < {config.num_layers} (the target's layers), "
+                          f"got {spec.layerskip_layers}")
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    slots = sum(run_tokens(len(p.encode("utf-8")), sampling.max_tokens, k, cache_config.page_size, context, chat)
+                for p in prompts)
+    weights, staging = load_bytes(config)
+    kv = memory.kv_cache_bytes(config, slots)
+    what = f"{config.num_params():,} parameters ({config.dtype}) and a KV cache of {slots:,} tokens"
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        memory.check_fits(weights + staging + kv, what)
+    else:
+        memory.check_fits(weights + kv, what, device=device)
+
+
+__all__ = ["generate_options", "generate_fits", "parse_spec", "text_argument", "run_tokens"]

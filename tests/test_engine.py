@@ -1,0 +1,318 @@
+"""The serving engine on tiny models: every request's output equals running it alone (every
+drafter, any arrival order, under page pressure with preemption), prefix-cache hits are exact
+and prefill less, drafter state survives prefix hits, sampled requests are reproducible per
+seed, and nothing compiles after warm-up."""
+
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jspec
+from helpers import tiny_config, tiny_model
+from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.engine.engine import LLMEngine
+from jspec.models.eagle import init_eagle_params
+from jspec.models.llama import output_embedding
+from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from jspec.speculative.drafters.eagle import EagleDrafter
+
+GREEDY = SamplingParams(max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(tiny_config(num_layers=3), scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    draft = tiny_model(tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), seed=5, scale=4.0)
+    cfg = target.config
+    eagle = {"head": init_eagle_params(cfg, jax.random.key(3), target.params),
+             "lm_head": output_embedding(target.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
+    return {
+        "none": (None, None),
+        "ngram-3": (NgramDrafter(3, 3, 1), None),
+        "layerskip-2": (LayerSkipDrafter(2, cfg, 1), None),
+        "draft-3": (DraftModelDrafter(3, draft.config), draft.params),
+        "self-draft-4": (DraftModelDrafter(4, cfg), target.params),
+        "eagle-3": (EagleDrafter(3, cfg), eagle),
+    }
+
+
+def prompts_with_repeats(n, seed=0, lo=2, hi=40):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(2, 96) for _ in range(rng.randrange(2, 6))]
+        p = (motif * 20)[:rng.randrange(lo, hi)]
+        out.append(p)
+    return out
+
+
+SOLO = {}
+
+
+def solo(target, prompt, sp):
+    """The request alone through plain decoding (cached per prompt and params)."""
+    key = (tuple(prompt), sp)
+    if key not in SOLO:
+        SOLO[key] = jspec.generate(target, [prompt], sp).token_ids[0]
+    return SOLO[key]
+
+
+def run(target, requests, config, drafter=None, drafter_params=None, spec=SpecConfig(), check=True):
+    """``requests``: (prompt, params, arrival step). Returns (engine, {index: request})."""
+    engine = LLMEngine(target, config, spec, drafter=drafter, drafter_params=drafter_params)
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    reqs, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and requests[pending[0]][2] <= step:
+            i = pending.pop(0)
+            reqs[i] = engine.add_request(str(i), requests[i][0], requests[i][1])
+        engine.step()
+        if check:
+            engine.scheduler.check()
+        step += 1
+        assert step < 2000, "the engine does not make progress"
+    return engine, reqs
+
+
+@pytest.mark.parametrize("name", ["none", "ngram-3", "layerskip-2", "draft-3", "self-draft-4", "eagle-3"])
+def test_every_request_equals_its_solo_run(target, drafters, name):
+    """Five requests of different lengths (some prefilled in several chunks) arriving at
+    different steps into three slots: each one's greedy tokens equal its run alone."""
+    prompts = prompts_with_repeats(5, seed=1)
+    requests = [(p, dataclasses.replace(GREEDY, max_tokens=8 + 3 * i), [0, 0, 2, 5, 9][i]) for i, p in enumerate(prompts)]
+    d, dp = drafters[name]
+    config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=3 * 5 + 32, max_model_len=128, page_size=8,
+                          max_burst_steps=4)
+    engine, reqs = run(target, requests, config, d, dp)
+    for i, (p, sp, _) in enumerate(requests):
+        assert reqs[i].output_ids == solo(target, p, sp), (name, i)
+        assert reqs[i].finish_reason in ("stop", "length")
+    if name == "self-draft-4":  # the target drafting for itself: every draft is accepted
+        assert all(r.metrics.num_accepted_tokens == r.metrics.num_draft_tokens > 0 for r in reqs.values())
+    if name == "ngram-3":  # repeated motifs: the n-gram drafter does propose and gets some right
+        assert sum(r.metrics.num_accepted_tokens for r in reqs.values()) > 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 12), st.integers(1, 16), st.integers(0, 10_000)),
+                min_size=1, max_size=7))
+def test_random_request_sets_under_a_tight_page_budget(target, drafters, spec):
+    """Random prompts, arrival steps, budgets and EOS (token 1, free to occur) under a pool of
+    10 pages of 8 tokens: at every step every page is free or held once per holder, every
+    request completes, and each output equals the request's run alone."""
+    requests = []
+    for length, arrival, budget, seed in spec:
+        rng = random.Random(seed)
+        requests.append(([rng.randrange(1, 96) for _ in range(length)], SamplingParams(max_tokens=budget), arrival))
+    d, dp = drafters["ngram-3"]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 4 + 32, max_model_len=64, page_size=8,
+                          kv_cache_tokens=80, max_burst_steps=4)
+    engine, reqs = run(target, requests, config, d, dp)
+    assert all(r.status.value == "finished" for r in reqs.values())
+    for i, (p, sp, _) in enumerate(requests):
+        assert reqs[i].output_ids == solo(target, p, sp)
+    engine.scheduler.check()
+    assert engine.allocator.num_free == engine.allocator.num_usable  # nothing leaked
+
+
+def test_preemption_recomputes_identically(target, drafters):
+    """A pool too small for four long requests at once: the newest are preempted, recomputed
+    from prompt + output, and still produce exactly their solo tokens (greedy and sampled)."""
+    prompts = prompts_with_repeats(4, seed=7, lo=20, hi=30)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=11),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.7, top_k=20, seed=12),
+              SamplingParams(max_tokens=30, ignore_eos=True, top_p=0.9, temperature=1.0, seed=13)]
+    requests = [(p, sp, 0) for p, sp in zip(prompts, params)]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 4 + 32, max_model_len=64, page_size=8,
+                          kv_cache_tokens=136, max_burst_steps=8)
+    for name in ("none", "ngram-3", "eagle-3"):
+        d, dp = drafters[name]
+        engine, reqs = run(target, requests, config, d, dp)
+        assert engine.stats.preemptions > 0, name
+        for i, (p, sp, _) in enumerate(requests):
+            assert reqs[i].output_ids == solo(target, p, sp), (name, i)
+
+
+def test_prefix_cache_hits_are_exact_and_prefill_less(target, drafters):
+    common = prompts_with_repeats(1, seed=3, lo=39, hi=40)[0]
+    prompts = [common + [5, 6, 7], common + [9, 9], common[:20] + [4]]
+    requests = [(p, GREEDY, 3 * i) for i, p in enumerate(prompts)]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 4 + 64, max_model_len=128, page_size=8)
+    for name in ("none", "draft-3", "eagle-3"):
+        d, dp = drafters[name]
+        engine, reqs = run(target, requests, config, d, dp)
+        off, reqs_off = run(target, requests, dataclasses.replace(config, enable_prefix_caching=False), d, dp)
+        for i in range(3):
+            assert reqs[i].output_ids == reqs_off[i].output_ids == solo(target, prompts[i], GREEDY), (name, i)
+        assert reqs[0].metrics.num_cached_tokens == 0
+        assert reqs[1].metrics.num_cached_tokens == 32 and reqs[2].metrics.num_cached_tokens == 16  # full pages
+        assert engine.stats.prefilled_tokens < off.stats.prefilled_tokens
+        assert reqs[1].metrics.num_prefilled_tokens == len(prompts[1]) - 1 - 32
+        if name != "none":  # the drafter saw the same context: same proposals, same acceptance
+            for i in range(3):
+                assert reqs[i].metrics.num_accepted_tokens_per_pos == reqs_off[i].metrics.num_accepted_tokens_per_pos
+
+
+def test_eagle_state_after_a_prefix_hit_equals_a_full_prefill(target, drafters):
+    """The EAGLE head's previous feature and its K/V for a prompt that starts from cached pages
+    equal those of the same prompt prefilled from scratch (never drafted from garbage)."""
+    d, dp = drafters["eagle-3"]
+    common = prompts_with_repeats(1, seed=4, lo=35, hi=36)[0]
+    second = common + [3, 1, 4, 1, 5]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 4 + 64, max_model_len=128, page_size=8)
+
+    def state_after_prefill(first):
+        engine = LLMEngine(target, config, drafter=d, drafter_params=dp)
+        if first:
+            engine.add_request("a", common, SamplingParams(max_tokens=2))
+            while engine.has_unfinished_requests():
+                engine.step()
+        r = engine.add_request("b", second, SamplingParams(max_tokens=5))
+        while r.status.value in ("waiting", "prefilling"):
+            engine.step()
+        s = engine.runner.state
+        slot = r.slot
+        pos = np.arange(len(second) - 1)
+        pages = np.asarray(s.cache.block_tables)[slot, pos // 8]
+        kv = np.asarray(s.drafter.k_pages[0])[:, pages, pos % 8]
+        return r, np.asarray(s.drafter.last_feature)[slot], kv
+
+    hit, feat_hit, kv_hit = state_after_prefill(True)
+    miss, feat_miss, kv_miss = state_after_prefill(False)
+    assert hit.metrics.num_cached_tokens == 32 and miss.metrics.num_cached_tokens == 0
+    np.testing.assert_allclose(feat_hit, feat_miss, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kv_hit, kv_miss, rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_requests_are_the_same_alone_and_batched(target, drafters):
+    prompts = prompts_with_repeats(4, seed=9)
+    params = [SamplingParams(max_tokens=10, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+              for t, k, p, s in [(1.0, 0, 1.0, 1), (0.7, 10, 1.0, 2), (1.2, 0, 0.8, 3), (0.0, 0, 1.0, 4)]]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 4 + 32, max_model_len=64, page_size=8)
+    for name in ("none", "ngram-3", "draft-3"):
+        d, dp = drafters[name]
+        _, batched = run(target, [(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))], config, d, dp)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            _, alone = run(target, [(p, sp, 0)], config, d, dp)
+            assert batched[i].output_ids == alone[0].output_ids, (name, i)
+
+
+def test_per_request_speculation_off_or_lower(target, drafters):
+    d, dp = drafters["self-draft-4"]
+    prompts = prompts_with_repeats(3, seed=2)
+    caps = [0, 1, None]
+    requests = [(p, dataclasses.replace(GREEDY, num_speculative_tokens=c), 0) for p, c in zip(prompts, caps)]
+    config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=3 * 5 + 32, max_model_len=64, page_size=8)
+    _, reqs = run(target, requests, config, d, dp)
+    for i, (p, sp, _) in enumerate(requests):
+        assert reqs[i].output_ids == solo(target, p, dataclasses.replace(sp, num_speculative_tokens=None))
+    assert reqs[0].metrics.num_drafts == 0 and reqs[0].metrics.num_draft_tokens == 0
+    assert reqs[1].metrics.num_draft_tokens == reqs[1].metrics.num_drafts > 0  # one draft per step
+    assert reqs[2].metrics.num_draft_tokens > reqs[2].metrics.num_drafts
+
+
+def test_dynamic_k_is_lossless_and_measures_each_k(target):
+    prompts = prompts_with_repeats(6, seed=5)
+    requests = [(p, SamplingParams(max_tokens=20), i) for i, p in enumerate(prompts)]
+    config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=3 * 5 + 32, max_model_len=64, page_size=8,
+                          max_burst_steps=2)
+    spec = SpecConfig("ngram", 4, ngram_min=1, dynamic_k=True)
+    engine, reqs = run(target, requests, config, spec=spec)
+    for i, (p, sp, _) in enumerate(requests):
+        assert reqs[i].output_ids == solo(target, p, sp)
+    assert engine.cost.candidates == (0, 1, 2, 4)
+    assert all(t is not None for t in engine.cost.step_seconds.values())  # each k was timed
+
+
+def test_nothing_compiles_after_warmup(target):
+    """200 random requests (lengths, budgets, sampling settings, per-request caps, arrivals)
+    through a warmed-up engine with dynamic k: not one compilation."""
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None  # noqa: E731
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 4 + 64, max_model_len=64, page_size=8,
+                          max_burst_steps=4)
+    engine = LLMEngine(target, config, SpecConfig("ngram", 3, ngram_min=1, dynamic_k=True))
+    engine.warmup()
+    rng = random.Random(0)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        added = 0
+        while added < 200 or engine.has_unfinished_requests():
+            for _ in range(rng.randrange(0, 4)):
+                if added < 200:
+                    prompt = [rng.randrange(0, 96) for _ in range(rng.randrange(1, 40))]
+                    sp = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.0, 0.8]),
+                                        top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]), seed=added,
+                                        num_speculative_tokens=rng.choice([None, 0, 2]))
+                    engine.add_request(str(added), prompt, sp)
+                    added += 1
+            engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert engine.stats.num_requests == 200
+    assert compiles == []
+
+
+def test_add_request_refuses_what_can_never_fit(target):
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, kv_cache_tokens=40)
+    engine = LLMEngine(target, config)
+    with pytest.raises(jspec.PromptError, match="max_model_len"):
+        engine.add_request("a", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(jspec.PromptError, match="kv_cache_tokens"):
+        engine.add_request("b", [5] * 30, SamplingParams(max_tokens=20))
+    with pytest.raises(jspec.PromptError, match="outside"):
+        engine.add_request("c", [500], SamplingParams())
+    with pytest.raises(jspec.PromptError):
+        engine.add_request("d", [], SamplingParams())
+    with pytest.raises(jspec.ConfigError, match="SamplingParams"):
+        engine.add_request("e", [5], {"max_tokens": 3})
+    assert not engine.has_unfinished_requests()  # nothing was queued
+    engine.add_request("f", [5, 6], SamplingParams(max_tokens=3))
+    with pytest.raises(jspec.ConfigError, match="already in use"):
+        engine.add_request("f", [5, 6], SamplingParams(max_tokens=3))
+
+
+def test_abort_frees_the_slot_and_pages(target):
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_burst_steps=2)
+    engine = LLMEngine(target, config)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("b", [8, 9], SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.check()
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert len(engine.requests["b"].output_ids) == 5
+
+
+def test_llm_front_door_in_vllm_convention(target):
+    llm = jspec.LLM(target, max_num_seqs=2, max_model_len=64, page_size=8,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    prompts = prompts_with_repeats(3, seed=8)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=6 + i) for i in range(3)], use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)
+    for o, p, i in zip(outs, prompts, range(3)):
+        assert o.finished and o.outputs[0].token_ids == solo(target, p, SamplingParams(max_tokens=6 + i))
+        assert o.prompt_token_ids == p and o.metrics.num_output_tokens == len(o.outputs[0].token_ids)
+    streamed = {}
+    for o in llm.stream([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=6)):
+        streamed.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    assert list(streamed.values()) == [solo(target, prompts[0], SamplingParams(max_tokens=6))]
+    with pytest.raises(jspec.ConfigError, match="speculative_config"):
+        jspec.LLM(target, speculative_config={"method": "medusa"})
+    with pytest.raises(jspec.PromptError, match="no prompts"):
+        llm.generate([], use_tqdm=False)
