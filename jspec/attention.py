@@ -57,9 +57,9 @@ def paged_attention_xla(
     b, t, hq, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
     g = hq // kvh
-    bp = max(1, block_keys // page_size)  # pages per block
-    n = bp * page_size
     width = block_tables.shape[1]
+    bp = max(1, min(block_keys // page_size, width))  # pages per block (no wider than the table)
+    n = bp * page_size
     tables = jnp.pad(block_tables, ((0, 0), (0, (-width) % bp)))  # padded slots are masked out
     if q_lens is None:
         q_lens = jnp.full((b,), t, jnp.int32)

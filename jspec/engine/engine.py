@@ -68,10 +68,13 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
     return list(ids)
 
 
-def chunk_widths(budget: int) -> tuple[int, ...]:  # noqa: D401
+MAX_CHUNK = 512  # tokens of one prompt per prefill step (a bigger budget prefills more prompts per step)
+
+
+def chunk_widths(budget: int) -> tuple[int, ...]:
     """Prefill chunk widths (few: each is a compiled shape): the largest power of two within
-    ``budget``, and quarter and sixteenth of it, never below 16 tokens."""
-    top = 1 << (max(budget, MIN_CHUNK).bit_length() - 1)
+    ``budget`` (at most MAX_CHUNK), and a quarter and a sixteenth of it, never below 16 tokens."""
+    top = min(MAX_CHUNK, 1 << (max(budget, MIN_CHUNK).bit_length() - 1))
     return tuple(sorted({max(MIN_CHUNK, top >> s) for s in (0, 2, 4)}))
 
 
