@@ -117,6 +117,10 @@ class LLMEngine:
             if k > 0:
                 self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
         self.cost = CostModel(candidates)
+        # The step that carries prefill chunks: with a fixed k the same speculative step as every
+        # other (so a request's steps, and its sampled tokens, do not depend on who else is
+        # prefilling); with dynamic k (already batch-dependent) the plain step, one variant fewer.
+        self._prefill_k = 0 if drafter is None or self.spec.dynamic_k else k_max
         self.allocator = PageAllocator(num_pages, ps, reserve_null=True,
                                        shuffle_seed=config.seed if config.shuffle_pages else None)
         salt = f"{model.source}:{mc}:{type(drafter).__name__}".encode()
@@ -219,9 +223,7 @@ class LLMEngine:
         if not self.scheduler.running and plan.prefill is None:
             return []
         t0 = time.perf_counter()
-        # A step carrying a prefill chunk is a plain one (running slots decode one token in it):
-        # one compiled prefill variant per chunk width, whatever k the bursts use.
-        step = self._steps[0] if plan.prefill is not None else self._steps[plan.k]
+        step = self._steps[self._prefill_k if plan.prefill is not None else plan.k]
         snap = self.runner.burst(step, self.scheduler.tables(), self._spec_caps(plan.k), self._segment(plan),
                                  plan.num_steps, plan.stop_on_finish)
         t1 = time.perf_counter()
@@ -349,7 +351,7 @@ class LLMEngine:
         pad = len(s.slots)
         for rows, width in self.prefill_shapes:
             seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))
-            self.runner.burst(self._steps[0], tables, caps, seg, 1, False)
+            self.runner.burst(self._steps[self._prefill_k], tables, caps, seg, 1, False)
         dummy = slot_update(0, [0], tables[0], 1, 0, SamplingParams(), 0, 0, self.buffer_len)
         self.runner.set_slot(self.drafter, dummy)
         self.runner.release(0)

@@ -70,7 +70,7 @@ def rejection_sample(
     q = jnp.where(real[..., None], q, 0.0)  # no draft there: q = 0, the extra token comes from p
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # p_j(d_j)  [B, k]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # q_j(d_j)       [B, k]
-    u_keys, r_keys = jax.vmap(lambda kk: tuple(jax.random.split(kk)))(keys)
+    u_keys, r_keys = jax.vmap(lambda kk: tuple(jax.random.split(kk)))(keys)  # r_keys: see steps.sample_next
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(u_keys)  # [B, k]
     accept = (u * q_d < p_d) & real  # u < p/q without dividing; q_d > 0 for drafted tokens
     n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]

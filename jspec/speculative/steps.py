@@ -29,6 +29,24 @@ from jspec.speculative.state import DecodeState, commit, last_tokens, step_keys
 SALT_ACCEPT = 1  # step_keys salt of the token draws (drafters use other salts)
 
 
+def sample_next(state: DecodeState, logits: jax.Array) -> jax.Array:
+    """The next token of each slot from its target logits [B, V] when no draft is verified.
+
+    It is drawn exactly as rejection sampling draws the bonus token after zero drafts (the same
+    key, the same function of p), so a slot's token does not depend on whether the step it is
+    in verifies other slots' drafts: sampled output is reproducible alone and batched.
+    """
+    rs = state.sampling
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        keys = jax.vmap(lambda k: jax.random.split(k)[1])(step_keys(state, SALT_ACCEPT))
+        tok = jax.vmap(sampling_lib.sample_from_probs)(keys, sampling_lib.probs(logits, rs))
+        return jnp.where(rs.greedy, best, tok)
+
+    return jax.lax.cond(jnp.all(rs.greedy | state.done), lambda _: best, draw, None)
+
+
 def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeState, cache,
                      prefill: Optional[Segment] = None, num_rows: int = 1):
     """One target forward over the last token of every running slot (and ``prefill``).
@@ -40,7 +58,7 @@ def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeS
     segments = (Segment(last_tokens(state), q_lens),) + ((prefill,) if prefill is not None else ())
     logits, hidden, cache = forward_segments(params, config, segments, cache, attention=attention,
                                              logits_for=(True,) + (False,) * (len(segments) - 1))
-    nxt = sampling_lib.sample(step_keys(state, SALT_ACCEPT), logits[0][:, 0], state.sampling)
+    nxt = sample_next(state, logits[0][:, 0])
     h = jnp.pad(hidden[0], ((0, 0), (0, num_rows - 1), (0, 0)))
     return cache, h, nxt, (hidden[1] if prefill is not None else None)
 
