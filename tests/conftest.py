@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("JSPEC_COMPILE_CACHE", "0")  # the CLI runs in-process here; its cache is process-wide
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -41,7 +41,11 @@ def _quiet() -> None:
 
 
 def enable_compile_cache() -> None:
-    """Persist XLA executables across runs (a second ``jspec generate`` skips compilation)."""
+    """Persist XLA executables across runs (a second ``jspec generate`` skips compilation).
+    ``JSPEC_COMPILE_CACHE=0`` turns it off (the test suite does: it calls the CLI in-process, and
+    the setting is process-wide)."""
+    if os.environ.get("JSPEC_COMPILE_CACHE", "1") == "0":
+        return
     import jax
 
     from jspec.loading.tokenizer import cache_dir
