@@ -56,7 +56,8 @@ def _text(nb) -> str:
 
 def test_notebooks_are_stored_without_outputs():
     names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
-    assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb"]
+    assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb",
+                     "04_engine.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -100,3 +101,9 @@ def test_paged_attention_kernel(run_notebook):
     assert "NVIDIA H200 -> lookup('cuda', 'NVIDIA H200') = cuda-hopper" in text
     assert "AMD MI300X -> lookup('rocm', 'gfx942') = rocm-gfx942" in text
     assert len(re.findall(r"num_splits=\d+", text)) == 4
+
+
+def test_engine(run_notebook):
+    _, text = run_notebook("04_engine.ipynb")
+    assert "greedy outputs identical in every run" in text
+    assert "step ms by k" in text and "k=0:" in text
