@@ -12,6 +12,36 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("JSPEC_COMPILE_CACHE", "0")  # the CLI runs in-process here; its cache is process-wide
+# The suite's time is XLA compilation of many small programs, most of it LLVM optimizing code that
+# then runs for milliseconds: the tests compile at -O0 (4-7x less compile time on these CPUs; the
+# programs, their semantics and the tolerances are the same). JSPEC_TEST_XLA_OPT=1 keeps XLA's
+# default, as the benchmarks and users run.
+if os.environ.get("JSPEC_TEST_XLA_OPT", "0") != "1" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+def _num_memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    """Each XLA CPU executable holds hundreds of memory maps and jit keeps every executable it
+    ever built; over the suite's thousands of compilations one process would pass Linux's
+    ``vm.max_map_count`` (65530) and XLA would crash mid-compile (SIGSEGV/SIGABRT). Past a third
+    of that, the compiled-function caches are dropped between tests."""
+    yield
+    if _num_memory_maps() > 20000:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -132,3 +132,28 @@ def chi_square_check(counts, probs, z: float = 4.75):
     df = max(1, int(keep.sum()) - 1)
     threshold = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
     return stat, float(threshold)
+
+
+def exact_two_token_distribution(model, prompt, sp):
+    """p(x1, x2 | prompt) under the target with the sampling processing, by enumeration."""
+    import jax.numpy as jnp
+
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+    from jspec.sampling import probs
+
+    cfg = model.config
+    v = cfg.vocab_size
+    fwd = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="reference").logits)
+
+    def logits_after(seqs):
+        seqs = jnp.asarray(seqs, jnp.int32)
+        b, t = seqs.shape
+        pages = -(-t // 16)
+        tables = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+        cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, b * pages, 16)
+        return fwd(model.params, seqs, cache, jnp.full((b,), t, jnp.int32))[:, -1]
+
+    p1 = np.asarray(probs(logits_after([prompt]), sp))[0]  # [V]
+    p2 = np.asarray(probs(logits_after([prompt + [x] for x in range(v)]), sp))  # [V, V]
+    return p1[:, None] * p2

@@ -3,13 +3,11 @@ an accepted block, metrics, sampled output distribution, and bad input."""
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
-from helpers import chi_square_check, tiny_config, tiny_model
+from helpers import chi_square_check, exact_two_token_distribution, tiny_config, tiny_model
 from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 
 # Prompts with repeats (so n-gram lookup finds matches) and of different lengths.
@@ -84,29 +82,6 @@ def test_spec_config_through_generate(target, baseline):
     assert out.token_ids == baseline[4] and out.spec_method == "layerskip"
 
 
-def _exact_two_token_distribution(model, prompt, sp):
-    """p(x1, x2 | prompt) under the target with the sampling processing, by enumeration."""
-    from jspec.cache import init_cache
-    from jspec.models.llama import forward
-    from jspec.sampling import probs
-
-    cfg = model.config
-    v = cfg.vocab_size
-    fwd = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="reference").logits)
-
-    def logits_after(seqs):
-        seqs = jnp.asarray(seqs, jnp.int32)
-        b, t = seqs.shape
-        pages = -(-t // 16)
-        tables = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-        cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, b * pages, 16)
-        return fwd(model.params, seqs, cache, jnp.full((b,), t, jnp.int32))[:, -1]
-
-    p1 = np.asarray(probs(logits_after([prompt]), sp))[0]  # [V]
-    p2 = np.asarray(probs(logits_after([prompt + [x] for x in range(v)]), sp))  # [V, V]
-    return p1[:, None] * p2
-
-
 @pytest.mark.parametrize("sp", [jspec.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
                                 jspec.SamplingParams(temperature=0.8, top_p=0.9, top_k=10, max_tokens=2,
                                                      ignore_eos=True)], ids=["plain", "topk-topp"])
@@ -118,7 +93,7 @@ def test_sampled_speculative_generation_follows_target(sp):
     target = tiny_model(cfg, seed=1, scale=2.0)
     draft = tiny_model(dataclasses.replace(cfg, num_layers=1), seed=2, scale=2.0)
     prompt = [3, 4, 5]
-    exact = _exact_two_token_distribution(target, prompt, sp)
+    exact = exact_two_token_distribution(target, prompt, sp)
     n = 3000
     result = {}
     for name, d, dp in [("plain", None, None), ("draft", DraftModelDrafter(3, draft.config), draft.params)]:
