@@ -4,6 +4,8 @@
                           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR]
                           [--chat] [--json] [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH}]
                           [--num-speculative-tokens K] [--dynamic-k] [--max-num-seqs N] ...
+    jspec serve [--model NAME] [--host 127.0.0.1] [--port 8000] [--speculative-config JSON]
+                [--max-num-seqs N] [--max-model-len N] [--kv-cache-tokens N] [--api-key KEY] ...
     jspec info
     jspec distill ...   (see ``jspec distill --help``)
 
@@ -86,12 +88,14 @@ def cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from jspec.attention import ATTENTION_IMPLS
     from jspec.cli.generate import add_generate_parser
+    from jspec.cli.serve import add_serve_parser
     from jspec.loading import DEFAULT_MODEL
 
     p = _ArgumentParser(prog="jspec", description="Speculative decoding on a paged KV cache, in JAX.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
     add_generate_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
+    add_serve_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
 
     i = sub.add_parser("info", help="versions, backend, devices and the default model's path")
     i.set_defaults(func=cmd_info)

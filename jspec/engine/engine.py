@@ -339,15 +339,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
-        """Compile every step variant (each k, with and without each prefill width) and the
-        slot updates, so that serving compiles nothing more."""
+        """Compile every step variant that ``step()`` can pick (each candidate k, and the
+        prefill step with each prefill width) and the slot updates, so that serving compiles
+        nothing more. (With a fixed k the plain step is never picked: it is not compiled.)"""
         if self.scheduler.has_work():
             raise ConfigError("warmup() runs on an empty engine")
         s = self.scheduler
         tables = s.tables()
         caps = np.zeros((len(s.slots),), np.int32)
-        for step in self._steps.values():
-            self.runner.burst(step, tables, caps, None, 1, False)
+        for k in sorted(set(self.cost.candidates) | {self._prefill_k}):
+            self.runner.burst(self._steps[k], tables, caps, None, 1, False)
         pad = len(s.slots)
         for rows, width in self.prefill_shapes:
             seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))

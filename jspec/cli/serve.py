@@ -1,0 +1,185 @@
+"""``jspec serve``: the OpenAI-compatible HTTP server (:mod:`jspec.server`) on one model.
+
+    jspec serve [--model NAME_OR_PATH] [--host 127.0.0.1] [--port 8000]
+                [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
+                [--max-num-seqs 8] [--max-model-len N] [--kv-cache-tokens N] [--api-key KEY] ...
+
+Checks run before anything slow, in the order of ``jspec generate``: the options (JSON,
+ranges, the speculative config, the API key), then the address (the socket is bound before the
+model loads, so a busy port is one line on stderr and exit 2), then the model's config against
+``--max-model-len``, then the weights load, the engine compiles every step variant (unless
+``--no-warmup``), and only then does the server answer: ``/health`` returning 200 means ready.
+SIGTERM drains and exits 0 (:mod:`jspec.server.serve`); Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+
+DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
+
+
+def add_serve_parser(sub, default_model: str, attention_choices) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s.add_argument("--model", default=default_model, help=f"name or path (default {default_model})")
+    s.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative_config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"dynamic_k": true}\' (default: no speculation)')
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together (default 8)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help=f"prompt + output tokens per request (default: the model's context, at most "
+                        f"{DEFAULT_MAX_MODEL_LEN})")
+    s.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV page pool in tokens (default: every slot at --max-model-len)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
+    s.add_argument("--max-burst-steps", type=int, default=8,
+                   help="engine steps per device call; fewer = new requests join sooner (default 8)")
+    s.add_argument("--api-key", default=os.environ.get("JSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JSPEC_API_KEY, else none)")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--seed", type=int, default=0, help="seeds of requests that bring none derive from it")
+    s.add_argument("--no-warmup", action="store_true", help="compile step variants on first use instead of at start")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; 'info' and 'debug' log each request (default info)")
+    s.set_defaults(func=cmd_serve)
+
+
+def parse_speculative_config(text):
+    """``--speculative-config`` JSON -> SpecConfig (none when not given)."""
+    from jspec.config import SpecConfig
+    from jspec.errors import ConfigError
+
+    if text is None:
+        return SpecConfig()
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-config is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, got {text!r}")
+    return SpecConfig.from_dict(d)
+
+
+def serve_options(args):
+    """Every check that needs no model: returns (SpecConfig, EngineConfig without the lengths)."""
+    from jspec.cli import checks
+    from jspec.config import EngineConfig
+    from jspec.errors import ConfigError
+
+    spec = parse_speculative_config(args.speculative_config)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    checks.text_argument(args.host, "--host")
+    if not args.host:
+        raise ConfigError("--host is empty")
+    if args.api_key is not None:
+        checks.text_argument(args.api_key, "--api-key")
+        if not args.api_key.strip() or any(c.isspace() for c in args.api_key):
+            raise ConfigError("--api-key must be a non-empty string without spaces")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ConfigError("--served-model-name is empty")
+    for name in ("max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    config = EngineConfig(max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens or args.max_num_seqs * (k + 1) + 256,
+                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
+                          max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed)
+    checks._check_attention(args.attention)
+    if spec.method in ("draft", "eagle"):
+        checks._check_draft_exists(spec)
+    return spec, config
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); OSError (a busy port, an unknown host) is bad input."""
+    from jspec.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _startup_sigterm(signum, frame):  # before the server runs there is nothing to drain
+    raise SystemExit(0)
+
+
+def cmd_serve(args) -> int:
+    from jspec.errors import ConfigError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"jspec serve needs FastAPI, uvicorn and prometheus_client ({e.name} is missing): "
+                          "pip install fastapi uvicorn prometheus_client") from None
+    spec, config = serve_options(args)
+    sock = bind(args.host, args.port)
+    previous = signal.signal(signal.SIGTERM, _startup_sigterm)
+    try:
+        return _serve(args, spec, config, sock)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+
+
+def _serve(args, spec, config, sock) -> int:
+    from jspec.cli import enable_compile_cache
+    from jspec.engine.engine import LLMEngine
+    from jspec.errors import CheckpointError, ConfigError
+    from jspec.loading import open_checkpoint
+    from jspec.server import serve as server
+    from jspec.server.app import create_app
+    from jspec.server.worker import EngineWorker
+
+    checkpoint = open_checkpoint(args.model, dtype=args.dtype)
+    context = checkpoint.config.max_position_embeddings
+    max_model_len = args.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    config = dataclasses.replace(config, max_model_len=max_model_len,
+                                 kv_cache_tokens=args.kv_cache_tokens or config.max_num_seqs * (max_model_len + k + 1))
+    enable_compile_cache()
+    model = checkpoint.load()
+    if model.tokenizer is None:
+        raise CheckpointError(f"{model.source}: no tokenizer (tokenizer.json): the server takes text")
+    engine = LLMEngine(model, config, spec)
+    name = args.served_model_name or args.model
+    if not args.no_warmup:
+        print(f"jspec serve: compiling the engine's step variants ({len(engine.prefill_shapes)} prefill "
+              f"shape(s))...", file=sys.stderr, flush=True)
+        engine.warmup()
+    app = create_app(EngineWorker(engine), name, api_key=args.api_key)
+    host, port = sock.getsockname()[:2]
+    what = f"{spec.method} k={k}{' (dynamic)' if spec.dynamic_k else ''}" if spec.enabled else "no speculation"
+    print(f"jspec serve: {name} ({what}, {config.max_num_seqs} slots, max_model_len {max_model_len}) on "
+          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    return server.run(app, sock, log_level=args.log_level)
