@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/jspec generate "def fibonacci(n):" --max-new-tokens 96 --spec ngram --num-speculative-tokens 4
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -165,8 +165,11 @@ class LLMEngine:
             raise PromptError(f"request {request_id}: token ids outside [0, {vocab})")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
+            context = self.model.config.max_position_embeddings
+            limit = (f"the model's context of {context} tokens" if self.max_model_len >= context
+                     else f"max_model_len={self.max_model_len}")
             raise PromptError(f"request {request_id}: prompt of {len(ids)} tokens + max_tokens={params.max_tokens} "
-                              f"exceeds max_model_len={self.max_model_len}")
+                              f"exceeds {limit}")
         need = self.allocator.pages_for(total + self.k_max + 1)
         if need > self.allocator.num_usable:
             raise PromptError(f"request {request_id}: needs {need} pages of {self.config.page_size} tokens, the KV "
