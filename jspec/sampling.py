@@ -77,9 +77,25 @@ def _all_greedy(sp: Sampling):
     return None  # decided at run time
 
 
-def process_logits(logits: jax.Array, sp: Sampling) -> jax.Array:
+# Candidate counts of the sort-free path, smallest first: each level is one ``lax.top_k``; a
+# batch falls through to the next level (and finally to one full sort) only when some row's
+# kept set is not decided by its candidates. SmolLM2-135M sampling stories at temperature 0.8 /
+# top-p 0.95: ~90% of the steps' nuclei fit in 64 tokens, ~99% in 256, all in 1024.
+CANDIDATE_LEVELS = (64, 1024)
+
+
+def process_logits(logits: jax.Array, sp: Sampling, *, levels: Sequence[int] = CANDIDATE_LEVELS) -> jax.Array:
     """[..., V] -> float32 [..., V]: temperature, then top-k, then top-p (``-inf`` = removed).
-    Greedy rows come back unscaled and unfiltered."""
+    Greedy rows come back unscaled and unfiltered.
+
+    The kept set is the full-sort definition (:func:`filter_sorted`): top-k keeps the values
+    >= the k-th largest (ties with it stay), top-p then keeps, in descending order over what
+    top-k left, every token whose predecessors hold < top_p of the mass, and every token tied
+    with a kept one. It is computed without sorting the vocabulary: the ``levels[0]`` largest
+    logits of each row (``lax.top_k``) decide it whenever the cut falls among them (top-k <=
+    candidates, or the candidates' mass reaches top_p); otherwise the next level, and at the
+    end one full sort, decide it (:func:`filter_candidates`).
+    """
     rs = _rows(sp, logits)
     x = logits.astype(jnp.float32)
     v = x.shape[-1]
@@ -90,23 +106,90 @@ def process_logits(logits: jax.Array, sp: Sampling) -> jax.Array:
     if isinstance(sp, SamplingParams) and not (0 < sp.top_k < v) and sp.top_p >= 1.0:
         return x  # nothing to filter, known at trace time
 
-    def filtered(x):
-        sorted_x = -jnp.sort(-x, axis=-1)  # descending [..., V]
-        # top-k: keep values >= the k-th largest (ties with it stay, as in HF)
-        kth = jnp.take_along_axis(sorted_x, jnp.maximum(top_k - 1, 0)[..., None], axis=-1)
-        kth = jnp.where(top_k[..., None] > 0, kth, -jnp.inf)
-        sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
-        # top-p over what top-k left: keep the smallest prefix whose mass reaches top_p (tokens
-        # whose predecessors already hold >= top_p go; the first token always stays)
-        sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        keep = (mass_before < top_p[..., None]) & (sorted_x > -jnp.inf)
-        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        cutoff = jnp.where(top_p[..., None] < 1.0, cutoff, kth)
-        return jnp.where(x < cutoff, -jnp.inf, x)
+    def cascade(x, levels):
+        if not levels:
+            return filter_sorted(x, top_k, top_p)
+        num = min(levels[0], v)
+        out, covered = filter_candidates(x, top_k, top_p, num)
+        if num == v:
+            return out
+        return jax.lax.cond(jnp.all(covered), lambda x: out, lambda x: cascade(x, levels[1:]), x)
 
     needed = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
-    return jax.lax.cond(needed, filtered, lambda x: x, x)
+    return jax.lax.cond(needed, lambda x: cascade(x, tuple(levels)), lambda x: x, x)
+
+
+def filter_candidates(x: jax.Array, top_k: jax.Array, top_p: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k / top-p over x [..., V] decided from its ``num`` largest entries.
+
+    ``top_k`` int32 [...] (0 = off, else < V), ``top_p`` float32 [...] (1 = off). Returns (x
+    with removed entries at ``-inf`` [..., V], covered bool [...]). Where ``covered``, the row
+    is bit for bit :func:`filter_sorted`'s: the candidates are the sorted row's first ``num``
+    values, and :func:`_top_p_cutoff` computes every float on them as it does on the whole
+    sorted row. A row is covered when nothing is filtered, when 0 < top-k <= ``num`` (the k-th
+    largest is a candidate), or when top-k is off and the candidates' mass reaches top_p (the
+    first non-candidate's predecessors hold >= top_p, so it and all after it go). Elsewhere the
+    row is meaningless.
+    """
+    cand, _ = jax.lax.top_k(x, num)  # [..., num], descending
+    kth = jnp.take_along_axis(cand, jnp.clip(top_k - 1, 0, num - 1)[..., None], axis=-1)
+    kth = jnp.where(top_k[..., None] > 0, kth, -jnp.inf)  # [..., 1]
+    cutoff, mass = _top_p_cutoff(jnp.where(cand < kth, -jnp.inf, cand), x, kth, top_p)
+    k_in = (top_k > 0) & (top_k <= num)
+    covered = ((top_k == 0) | k_in) & ((top_p >= 1.0) | k_in | (mass >= top_p))
+    return jnp.where(x < cutoff, -jnp.inf, x), covered | (num >= x.shape[-1])
+
+
+def filter_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k / top-p over x [..., V] by one full descending sort of each row: the definition
+    (and the last fallback) of :func:`process_logits`'s filtering."""
+    sorted_x = -jnp.sort(-x, axis=-1)  # descending [..., V]
+    # top-k: keep values >= the k-th largest (ties with it stay, as in HF)
+    kth = jnp.take_along_axis(sorted_x, jnp.maximum(top_k - 1, 0)[..., None], axis=-1)
+    kth = jnp.where(top_k[..., None] > 0, kth, -jnp.inf)
+    cutoff, _ = _top_p_cutoff(jnp.where(sorted_x < kth, -jnp.inf, sorted_x), x, kth, top_p)
+    return jnp.where(x < cutoff, -jnp.inf, x)
+
+
+def _top_p_cutoff(desc: jax.Array, x: jax.Array, kth: jax.Array, top_p: jax.Array):
+    """Top-p over what top-k left: keep the smallest prefix whose mass reaches top_p (a token
+    goes when its predecessors already hold >= top_p; the first token always stays).
+
+    desc [..., n]: the n largest of x [..., V] in descending order, top-k's removals at
+    ``-inf`` (n = V: the whole sorted row); kth [..., 1]: top-k's threshold (``-inf`` = off).
+    Returns (cutoff [..., 1]: keep x >= cutoff, so ties with a kept token stay; mass [...]:
+    the mass of all n). Every float here is the same for the same sorted prefix whatever n
+    is: the softmax's normalizer is summed over x in vocabulary order, and the masses are
+    prefix sums added strictly left to right (:func:`_exclusive_prefix`).
+    """
+    top = desc[..., :1]
+    z = jnp.sum(jnp.where(x < kth, 0.0, jnp.exp(x - top)), axis=-1, keepdims=True)
+    p = jnp.exp(desc - top) / z  # [..., n]
+    before = _exclusive_prefix(jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, 1)]))  # [..., n + 1]
+    keep = (before[..., :-1] < top_p[..., None]) & (desc > -jnp.inf)
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(top_p[..., None] < 1.0, cutoff, kth), before[..., -1]
+
+
+_PREFIX_BLOCK = 64
+
+
+def _exclusive_prefix(p: jax.Array) -> jax.Array:
+    """[..., n] -> [..., n]: sum of p[..., :i], added left to right in blocks of 64 (within a
+    block one by one, then the block totals one by one), so entry i depends on p[..., :i]
+    only, not on n. (``jnp.cumsum`` is a tree on the CPU whose rounding depends on n.)"""
+    n = p.shape[-1]
+    if n <= _PREFIX_BLOCK:
+        cols = [jnp.zeros_like(p[..., 0])]
+        for j in range(n - 1):
+            cols.append(cols[-1] + p[..., j])
+        return jnp.stack(cols, axis=-1)
+    nb = -(-n // _PREFIX_BLOCK)
+    blocks = jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, nb * _PREFIX_BLOCK - n)])
+    blocks = blocks.reshape(p.shape[:-1] + (nb, _PREFIX_BLOCK))
+    inner = _exclusive_prefix(blocks)  # [..., nb, 64]
+    before = _exclusive_prefix(inner[..., -1] + blocks[..., -1])  # [..., nb]
+    return (before[..., None] + inner).reshape(p.shape[:-1] + (nb * _PREFIX_BLOCK,))[..., :n]
 
 
 def probs(logits: jax.Array, sp: Sampling) -> jax.Array:
