@@ -4,6 +4,8 @@
                           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR]
                           [--chat] [--json] [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH}]
                           [--num-speculative-tokens K] [--dynamic-k] [--max-num-seqs N] ...
+    jspec bench [--prompts-file FILE | --suite humaneval] [--limit N] [--methods ar,ngram:4,...]
+                [--peers transformers] [--json OUT] [--plot OUT.png]   (see ``jspec bench --help``)
     jspec info
     jspec distill ...   (see ``jspec distill --help``)
 
@@ -85,6 +87,7 @@ def cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jspec.attention import ATTENTION_IMPLS
+    from jspec.cli.bench import add_bench_parser
     from jspec.cli.generate import add_generate_parser
     from jspec.loading import DEFAULT_MODEL
 
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
     add_generate_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
+    add_bench_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
 
     i = sub.add_parser("info", help="versions, backend, devices and the default model's path")
     i.set_defaults(func=cmd_info)
