@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from jspec.config import SamplingParams
-from jspec.sampling import (CANDIDATE_LEVELS, RowSampling, filter_candidates, filter_sorted, probs, process_logits,
-                            sample)
+from jspec.sampling import (CANDIDATE_LEVELS, RowSampling, argmax, categorical, filter_candidates, filter_sorted, probs,
+                            process_logits, sample)
 
 
 def _hf_process(logits, sp):
@@ -118,3 +118,18 @@ def test_default_levels_equal_full_sort_on_full_vocabulary():
                SamplingParams(temperature=0.7, top_k=2000, top_p=0.9)]:
         rs = RowSampling.broadcast(sp, (4,))
         np.testing.assert_array_equal(np.asarray(_process(x, rs, CANDIDATE_LEVELS)), np.asarray(_process(x, rs, ())))
+
+
+def test_argmax_and_categorical_equal_jax():
+    """The faster argmax and Gumbel-max draw give jnp.argmax's and jax.random.categorical's
+    answers bit for bit (first index among ties; the same noise)."""
+    rng = np.random.default_rng(3)
+    x = np.round(rng.normal(size=(16, 300)) * 2) / 2  # ties everywhere, the max included
+    x[3, :] = -np.inf
+    x[4, 7] = np.inf
+    x = jnp.asarray(x, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    keys = jax.random.split(jax.random.key(4), 50)
+    ours = jax.jit(jax.vmap(lambda k: categorical(k, x[:2])))(keys)
+    theirs = jax.jit(jax.vmap(lambda k: jax.random.categorical(k, x[:2], axis=-1)))(keys)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
