@@ -271,7 +271,8 @@ class BenchReport:
                 "acceptance per position": "" if acc is None else "[" + ", ".join(f"{a:.2f}" for a in acc) + "]",
                 "TTFT ms": "" if r["mean_ttft_ms"] is None else f"{r['mean_ttft_ms']:.0f}",
                 "peak RSS MB": f"{r['peak_rss_mb']:.0f}",
-                "draft / verify / plain step ms": "" if not s else f"{s['draft']:.1f} / {s['verify']:.1f} / {s['plain']:.1f}",
+                "draft / verify / plain step ms":
+                    "" if not s else f"{s['draft']:.1f} / {s['verify']:.1f} / {s['plain']:.1f}",
                 "greedy = AR": f"{r['same_tokens_as_ar']}/{self.num_prompts}",
             }
             lines.append("| " + " | ".join(cells[c] for c in cols) + " |")

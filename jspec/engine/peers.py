@@ -78,9 +78,9 @@ def transformers_peers(model, assisted_draft: Optional[str] = None, hf=None) -> 
     """Greedy and prompt lookup rows (and assisted generation with ``assisted_draft``, a
     small-llama draft checkpoint name or path, when given)."""
     hf = hf if hf is not None else load_hf_model(model)
+    lookup = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
     peers = [Method(GREEDY, run=lambda x, n: hf_generate(hf, x, n), lossless=False),
-             Method(PROMPT_LOOKUP, run=lambda x, n: hf_generate(hf, x, n, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS),
-                    lossless=False)]
+             Method(PROMPT_LOOKUP, run=lambda x, n: hf_generate(hf, x, n, **lookup), lossless=False)]
     if assisted_draft:
         from transformers import AutoModelForCausalLM
 
