@@ -23,19 +23,17 @@ PROMPT_LOOKUP_TOKENS = 10
 
 
 def load_hf_model(model):
-    """transformers' own load of a jspec model's checkpoint (a GGUF file or a HF directory), float32."""
+    """transformers' own load of a jspec model's checkpoint (a GGUF file or a HF directory)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     src = Path(model.source)
-    try:
+    try:  # a GGUF is dequantized to float32; a directory loads in its own dtype
         if src.is_file():
-            hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(str(src))
+            return AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name).eval()
+        return AutoModelForCausalLM.from_pretrained(str(src)).eval()
     except Exception as e:  # transformers raises many kinds; one line is enough here
         raise CheckpointError(f"{src}: transformers cannot load it as a peer ({type(e).__name__}: {e})") from None
-    return hf.float().eval()
 
 
 class _FirstToken:
@@ -91,7 +89,7 @@ def transformers_peers(model, assisted_draft: Optional[str] = None, hf=None) -> 
             raise CheckpointError(f"{assisted_draft}: no such draft checkpoint")
         # the shipped draft leaves out the embedding it shares with the target; the export adds it
         exported = export_hf(path, model, Path(tempfile.mkdtemp(prefix="jspec-draft-hf-")))
-        assistant = AutoModelForCausalLM.from_pretrained(str(exported)).float().eval()
+        assistant = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
         peers.append(Method(f"transformers assisted ({path.name})",
                             run=lambda x, n: hf_generate(hf, x, n, assistant_model=assistant), lossless=False))
     return peers
