@@ -96,3 +96,19 @@ def test_cli_bench_bad_options_exit_2_before_loading(tiny_hf_llama):
     assert code == 2 and out == "" and "K must be an integer" in err
     code, out, err = _cli("bench", "--model", str(tiny_hf_llama), "--peers", "vllm")
     assert code == 2 and "unknown peer" in err
+
+
+def test_transformers_peers_rows(model):
+    """transformers' greedy and prompt lookup on the same tiny checkpoint: their rows, the
+    speedups against them, and no failure when their tokens differ (they are not lossless)."""
+    from jspec.engine.peers import transformers_peers
+
+    peers = transformers_peers(model)
+    report = bench.run_bench(model, PROMPTS, bench.parse_methods("ar") + peers, max_tokens=6, progress=False,
+                             warmup_tokens=2)
+    report.check()
+    rows = {r["method"]: r for r in report.rows()}
+    assert set(rows) == {"jspec ar", bench.GREEDY, bench.PROMPT_LOOKUP}
+    assert rows["jspec ar"]["speedup_vs_transformers_greedy"] > 0
+    assert rows["jspec ar"]["speedup_vs_transformers_prompt_lookup"] > 0
+    assert rows[bench.GREEDY]["tokens"] > 0 and rows[bench.GREEDY]["mean_ttft_ms"] is not None
