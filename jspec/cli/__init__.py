@@ -6,6 +6,8 @@
                           [--num-speculative-tokens K] [--dynamic-k] [--max-num-seqs N] ...
     jspec serve [--model NAME] [--host 127.0.0.1] [--port 8000] [--speculative-config JSON]
                 [--max-num-seqs N] [--max-model-len N] [--kv-cache-tokens N] [--api-key KEY] ...
+    jspec bench [--prompts-file FILE | --suite humaneval] [--limit N] [--methods ar,ngram:4,...]
+                [--peers transformers] [--json OUT] [--plot OUT.png]   (see ``jspec bench --help``)
     jspec info
     jspec distill ...   (see ``jspec distill --help``)
 
@@ -87,6 +89,7 @@ def cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jspec.attention import ATTENTION_IMPLS
+    from jspec.cli.bench import add_bench_parser
     from jspec.cli.generate import add_generate_parser
     from jspec.cli.serve import add_serve_parser
     from jspec.loading import DEFAULT_MODEL
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
     add_serve_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
+    add_bench_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
 
     i = sub.add_parser("info", help="versions, backend, devices and the default model's path")
     i.set_defaults(func=cmd_info)

@@ -1,23 +1,34 @@
-"""Where a speculative step's time goes: draft vs verify, measured apart.
+"""Where a speculative step's time goes: draft vs verify, and op by op inside a forward.
 
 Inside ``generate`` a whole step (propose, verify, accept, commit, observe) runs fused in one
 ``lax.while_loop``, so its parts cannot be timed there. ``profile_step`` prepares the same state
 (prefill plus ``warm_steps`` real steps), then times, each as its own jitted call repeated
 ``repeats`` times on that state: the drafter's ``propose``, the target's verification forward
 (q_len = k + 1), the whole speculative step, and a plain one-token step for comparison.
+
+``profile_ops`` goes one level down: it runs the jitted target forward + acceptance at several
+q_lens under ``jax.profiler`` and sums the XLA CPU backend's per-thunk trace events by what the
+op belongs to (its ``jax.named_scope`` path in the compiled HLO's metadata): the LM head, each
+projection, attention, the cache write, norms and RoPE, acceptance.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import re
+import statistics
+import tempfile
 import time
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
-from jspec.speculative.steps import PlainStep
+from jspec.speculative.drafters.base import Proposal
+from jspec.speculative.steps import PlainStep, SpecStep, plain_token_step
 
 
 @dataclasses.dataclass
@@ -43,11 +54,12 @@ def _time(fn, *args, repeats: int) -> float:
     return best * 1e3
 
 
-def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
-                 warm_steps: int = 4, repeats: int = 10, attention: str = "auto") -> StepProfile:
-    """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``."""
-    k = spec.num_speculative_tokens
-    sp = dataclasses.replace(sampling, max_tokens=warm_steps * (k + 1) + 8, ignore_eos=True)
+def prepared_engine(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
+                    warm_steps: int = 4, attention: str = "auto", extra_tokens: int = 0) -> LLMEngine:
+    """An engine with one request: ``prompt`` prefilled, its first token and ``warm_steps``
+    steps decoded (the state a decode or verification step of that request starts from)."""
+    k = spec.num_speculative_tokens if spec.enabled else 0
+    sp = dataclasses.replace(sampling, max_tokens=warm_steps * (k + 1) + 8 + extra_tokens, ignore_eos=True)
     ids = encode_prompt(model.tokenizer, prompt)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=_round_up(len(ids) + sp.max_tokens, 64),
                                            max_burst_steps=warm_steps, attention=attention), spec)
@@ -56,6 +68,14 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     while engine.has_unfinished_requests() and not r.output_ids:  # prefill, first token
         engine.step()
     engine.step()  # warm_steps real steps
+    return engine
+
+
+def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
+                 warm_steps: int = 4, repeats: int = 10, attention: str = "auto") -> StepProfile:
+    """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``."""
+    k = spec.num_speculative_tokens
+    engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
     state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
     step = engine._steps[k]
 
@@ -72,6 +92,118 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
         step_ms=_time(whole, model.params, dparams, state, repeats=repeats),
         plain_step_ms=_time(plain_fn, model.params, state.replace(drafter=None), repeats=repeats),
         k=k)
+
+
+# ---------------------------------------------------------------------------- per-op profile
+# (category, pattern on the op's named-scope path), first match wins
+OP_CATEGORIES = (
+    ("accept", r"/accept/|sample_next|greedy_accept"),
+    ("lm_head", r"\.head/|/head/|lm_head|attend"),
+    ("qkv_proj", r"/qkv_proj/"),
+    ("o_proj", r"/o_proj/"),
+    ("gate_up_proj", r"/gate_up_proj/"),
+    ("down_proj", r"/down_proj/"),
+    ("attention", r"/verify_attention/"),
+    ("kv_write", r"/kv_write/"),
+    ("norms", r"layernorm|/norm/|RMSNorm"),
+    ("rope+elementwise", r"/layer_\d+/"),
+)
+
+
+def _op_scopes(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata (the named-scope path)."""
+    out = {}
+    for m in re.finditer(r'%([\w.\-]+) = [^\n]*?op_name="([^"]+)"', hlo_text):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def categorize(op_name: str) -> str:
+    for cat, pat in OP_CATEGORIES:
+        if re.search(pat, op_name):
+            return cat
+    return "other"
+
+
+@dataclasses.dataclass
+class OpProfile:
+    q_len: int
+    wall_ms: float  # median wall time of one call (under the profiler)
+    best_ms: float  # best wall time of one call, timed apart without the profiler
+    by_category: dict  # category -> median ms per call (sum of its thunks' trace events)
+
+    def row(self, categories: Sequence[str]) -> list[str]:
+        return [str(self.q_len), f"{self.best_ms:.1f}"] + [f"{self.by_category.get(c, 0.0):.1f}" for c in categories]
+
+
+def trace_ops(fn, args, repeats: int = 10) -> tuple[dict, float]:
+    """Run the jitted ``fn(*args)`` ``repeats`` times under ``jax.profiler``; returns (category
+    -> median ms per call, median wall ms per call). Categories come from :data:`OP_CATEGORIES`."""
+    from jax.profiler import ProfileData
+
+    compiled = fn.lower(*args).compile()
+    scopes = _op_scopes(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            walls = []
+            for i in range(repeats):
+                with jax.profiler.TraceAnnotation(f"profile_call_{i}"):
+                    t = time.perf_counter()
+                    jax.block_until_ready(compiled(*args))
+                    walls.append((time.perf_counter() - t) * 1e3)
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    calls: list[tuple[int, int]] = []
+    events = []
+    for plane in data.planes:
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("profile_call_"):
+                    calls.append((e.start_ns, e.start_ns + e.duration_ns))
+                elif e.name in scopes:
+                    events.append((e.start_ns, e.duration_ns, categorize(scopes[e.name])))
+    per_call = [dict() for _ in calls]
+    calls.sort()
+    for start, dur, cat in events:
+        for i, (a, b) in enumerate(calls):
+            if a <= start < b:
+                per_call[i][cat] = per_call[i].get(cat, 0.0) + dur / 1e6
+                break
+    cats = sorted({c for pc in per_call for c in pc})
+    return {c: statistics.median(pc.get(c, 0.0) for pc in per_call) for c in cats}, statistics.median(walls)
+
+
+def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats: int = 10,
+                attention: str = "auto", engine: Optional[LLMEngine] = None) -> list[OpProfile]:
+    """Per-op profile of the jitted target step (forward + greedy acceptance) at each q_len on
+    the state of ``prompt`` after its prefill: q_len 1 is a plain decoding step, q_len k + 1
+    the verification of k drafts."""
+    kmax = max(q_lens) - 1
+    engine = engine or prepared_engine(model, prompt, SpecConfig("ngram", max(kmax, 1)), attention=attention)
+    state = engine.runner.state
+    cfg, eos, attn = model.config, tuple(model.config.eos_token_ids), engine._steps[0].attention
+    out = []
+    for q in q_lens:
+        if q == 1:
+            fn = jax.jit(lambda p, s: plain_token_step(p, cfg, attn, s, s.cache)[2])
+            args = (model.params, state.replace(drafter=None))
+        else:
+            from jspec.speculative.drafters.ngram import NgramDrafter
+
+            step = SpecStep(cfg, eos, attn, NgramDrafter(q - 1))
+            drafts = jnp.tile(state.tokens[:, :1], (1, q - 1))
+            num = jnp.full((state.batch,), q - 1, jnp.int32)
+
+            def verify(p, s, d, step=step, num=num):
+                prop = Proposal(d, None, None, s.cache, num)
+                return step._verify(p, s, prop, num, None)[2:4]
+
+            fn = jax.jit(verify)
+            args = (model.params, state.replace(drafter=None), drafts)
+        by_cat, _ = trace_ops(fn, args, repeats)
+        best = _time(fn, *args, repeats=repeats)
+        out.append(OpProfile(q, float("nan"), best, by_cat))
+    return out
 
 
 def _round_up(n: int, m: int) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling import sample_from_probs
+from jspec.sampling import argmax, sample_from_probs
 
 
 def _real(drafts: jax.Array, num_drafts) -> jax.Array:
@@ -51,7 +51,7 @@ def greedy_accept(
 ) -> tuple[jax.Array, jax.Array]:  # num_accepted int32 [B], next_token int32 [B]
     """Longest prefix of drafts equal to the target's argmax, plus the target's next token."""
     k = drafts.shape[1]
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+    best = argmax(target_logits)  # [B, k + 1]
     match = ((drafts == best[:, :k]) & _real(drafts, num_drafts)).astype(jnp.int32)
     n = jnp.sum(jnp.cumprod(match, axis=1), axis=1)  # length of the matching prefix
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]

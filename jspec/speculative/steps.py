@@ -37,7 +37,7 @@ def sample_next(state: DecodeState, logits: jax.Array) -> jax.Array:
     in verifies other slots' drafts: sampled output is reproducible alone and batched.
     """
     rs = state.sampling
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = sampling_lib.argmax(logits)
 
     def draw(_):
         keys = jax.vmap(lambda k: jax.random.split(k)[1])(step_keys(state, SALT_ACCEPT))

@@ -1,0 +1,49 @@
+"""Where a verification step's time goes: a per-op profile of the jitted target step (forward +
+greedy acceptance) at several q_lens on the real model (``jspec.engine.profile.profile_ops``).
+
+    python benchmarks/profile_verify.py [--q-lens 1,2,5,9] [--repeats 10] [--prompt-index 0]
+
+q_len 1 is a plain decoding step, q_len k + 1 the verification of k drafts. Each category is
+the median over calls of the summed durations of its XLA CPU thunks (their named-scope path in
+the compiled HLO), so the categories need not add up to the wall time (thunks may overlap,
+and dispatch between them is not counted); "wall" is the best call timed without the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+
+import jspec
+from jspec.engine.profile import profile_ops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--q-lens", default="1,2,5,9")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--prompt-index", type=int, default=0, help="HumanEval problem")
+    args = ap.parse_args()
+    model = jspec.load_model()
+    prompt = common.humaneval_prompts(args.prompt_index, 1)[0]
+    ids = model.tokenizer(prompt)["input_ids"]
+    qs = [int(q) for q in args.q_lens.split(",")]
+    profs = profile_ops(model, ids, qs, repeats=args.repeats)
+    cats = sorted({c for p in profs for c in p.by_category}, key=lambda c: -max(p.by_category.get(c, 0) for p in profs))
+    print(f"machine: {common.machine()}, git {common.git_rev()}")
+    print(f"SmolLM2-135M-Instruct (float32), HumanEval problem {args.prompt_index} ({len(ids)} prompt tokens), "
+          f"median of {args.repeats} calls per q_len, ms\n")
+    rows = []
+    base = {c: profs[0].by_category.get(c, 0.0) for c in cats}
+    for p in profs:
+        row = {"q_len": p.q_len, "wall (best)": f"{p.best_ms:.1f}", "sum of ops": f"{sum(p.by_category.values()):.1f}"}
+        for c in cats:
+            v = p.by_category.get(c, 0.0)
+            row[c] = f"{v:.1f}" if p.q_len == profs[0].q_len or not base[c] else f"{v:.1f} ({v / base[c]:.1f}x)"
+        rows.append(row)
+    print(common.table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()

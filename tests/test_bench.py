@@ -1,0 +1,114 @@
+"""``jspec bench`` and its library (jspec.engine.bench) on a tiny random checkpoint: the table's
+fields, method parsing, and the greedy check (a method whose tokens differ fails, exit 1)."""
+
+import json
+
+import pytest
+
+import jspec
+from jspec.engine import bench
+from test_bad_input import _cli
+
+PROMPTS = ["def add(a, b):", "hello world hello world hello"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_llama):
+    return jspec.load_model(str(tiny_hf_llama))
+
+
+def test_methods_side_by_side(model, tmp_path):
+    methods = bench.parse_methods("ngram:2")
+    assert [m.name for m in methods] == ["jspec ar", "jspec ngram k=2"]  # AR added first
+    report = bench.run_bench(model, PROMPTS, methods, max_tokens=12, progress=False, warmup_tokens=2)
+    report.check()
+    assert report.mismatches == [] and report.num_prompts == 2
+    ar, ng = report.rows()
+    assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_length"] is None
+    assert ng["same_tokens_as_ar"] == 2 and ng["k"] == 2
+    assert 1.0 <= ng["mean_accepted_length"] <= 3.0 and len(ng["acceptance_per_position"]) == 2
+    for r in (ar, ng):
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["mean_ttft_ms"] > 0 and r["peak_rss_mb"] > 0
+        assert r["speedup_vs_transformers_greedy"] is None  # no peers asked for
+    table = report.markdown()
+    assert table.count("\n") == 3 and "| jspec ngram k=2 |" in table and "2/2" in table
+    report.plot(str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    json.dumps(report.to_json())
+
+
+def test_a_method_with_other_tokens_is_a_mismatch(model):
+    def broken(ids, n):
+        r = bench.run_jspec(model, jspec.SpecConfig(), ids, n)
+        r.tokens[3] = (r.tokens[3] + 1) % model.config.vocab_size
+        return r
+
+    methods = bench.parse_methods("ar") + [bench.Method("broken", jspec.SpecConfig(), run=broken)]
+    report = bench.run_bench(model, PROMPTS[:1], methods, max_tokens=6, progress=False, warmup_tokens=4)
+    assert [(m.method, m.prompt, m.position) for m in report.mismatches] == [("broken", 0, 3)]
+    with pytest.raises(bench.GreedyMismatchError, match="prompt 0 at new token 3"):
+        report.check()
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
+    ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
+])
+def test_bad_methods_are_refused(text, fragment):
+    with pytest.raises(jspec.ConfigError, match=fragment):
+        bench.parse_methods(text)
+
+
+def test_draft_names_keep_colons_and_default_k():
+    assert bench.parse_method("eagle:smollm2-135m-eagle:6").spec.num_speculative_tokens == 6
+    m = bench.parse_method("draft:/tmp/x:y")
+    assert m.spec.draft == "/tmp/x:y" and m.spec.num_speculative_tokens == bench.DEFAULT_K
+
+
+def test_cli_bench_table_json_and_exit_1_on_mismatch(tiny_hf_llama, tmp_path, monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(PROMPTS) + "\n")
+    out_json = tmp_path / "b.json"
+    args = ("bench", "--prompts-file", str(f), "--model", str(tiny_hf_llama), "--methods", "ar,ngram:2",
+            "--max-tokens", "8", "--json", str(out_json))
+    code, out, err = _cli(*args)
+    assert code == 0, err
+    assert "| jspec ngram k=2 |" in out and "| method | tok/s |" in out
+    assert [m["method"] for m in json.loads(out_json.read_text())["methods"]] == ["jspec ar", "jspec ngram k=2"]
+
+    real = bench.run_jspec
+
+    def off_by_one(model, spec, ids, n, attention="auto"):  # ngram emits a wrong second token
+        r = real(model, spec, ids, n, attention)
+        if spec.enabled and len(r.tokens) > 1:
+            r.tokens[1] = (r.tokens[1] + 1) % model.config.vocab_size
+        return r
+
+    monkeypatch.setattr(bench, "run_jspec", off_by_one)
+    code, out, err = _cli(*args)
+    assert code == 1
+    assert "| jspec ngram k=2 |" in out  # the table is still printed
+    assert "greedy mismatch: jspec ngram k=2 differs from jspec ar on prompt 0 at new token 1" in err
+
+
+def test_cli_bench_bad_options_exit_2_before_loading(tiny_hf_llama):
+    code, out, err = _cli("bench", "--model", str(tiny_hf_llama), "--methods", "ngram:zero")
+    assert code == 2 and out == "" and "K must be an integer" in err
+    code, out, err = _cli("bench", "--model", str(tiny_hf_llama), "--peers", "vllm")
+    assert code == 2 and "unknown peer" in err
+
+
+def test_transformers_peers_rows(model):
+    """transformers' greedy and prompt lookup on the same tiny checkpoint: their rows, the
+    speedups against them, and no failure when their tokens differ (they are not lossless)."""
+    from jspec.engine.peers import transformers_peers
+
+    peers = transformers_peers(model)
+    report = bench.run_bench(model, PROMPTS, bench.parse_methods("ar") + peers, max_tokens=6, progress=False,
+                             warmup_tokens=2)
+    report.check()
+    rows = {r["method"]: r for r in report.rows()}
+    assert set(rows) == {"jspec ar", bench.GREEDY, bench.PROMPT_LOOKUP}
+    assert rows["jspec ar"]["speedup_vs_transformers_greedy"] > 0
+    assert rows["jspec ar"]["speedup_vs_transformers_prompt_lookup"] > 0
+    assert rows[bench.GREEDY]["tokens"] > 0 and rows[bench.GREEDY]["mean_ttft_ms"] is not None
