@@ -157,3 +157,28 @@ def exact_two_token_distribution(model, prompt, sp):
     p1 = np.asarray(probs(logits_after([prompt]), sp))[0]  # [V]
     p2 = np.asarray(probs(logits_after([prompt + [x] for x in range(v)]), sp))  # [V, V]
     return p1[:, None] * p2
+
+
+def sampled_pair_counts(model, prompt, sp, n: int, drafter=None, drafter_params=None, chunk: int = 500):
+    """Counts [V, V] of the first two tokens of ``n`` sampled continuations of ``prompt`` (seeds
+    0..n-1), and the summed accepted/proposed counts of the first verification position.
+
+    The samples are drawn ``chunk`` prompts per ``generate`` call (one compiled shape): one call of
+    thousands of slots runs every burst over all of them while their prefill trickles in, several
+    times the work of a few calls that prefill at once. Seeds, hence samples, do not depend on it.
+    """
+    import jspec
+
+    v = model.config.vocab_size
+    counts = np.zeros((v, v), np.int64)
+    accepted = proposed = 0
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        out = jspec.generate(model, [prompt] * m, sp, drafter=drafter, drafter_params=drafter_params,
+                             seeds=list(range(start, start + m)))
+        pairs = np.asarray([t[:2] for t in out.token_ids])
+        np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+        if out.accepted_counts:
+            accepted += out.accepted_counts[0]
+            proposed += out.proposed_counts[0]
+    return counts, accepted, proposed

@@ -81,10 +81,10 @@ def test_quickstart(run_notebook):
 
 def test_acceptance_vs_k(run_notebook):
     nb, text = run_notebook("02_acceptance_vs_k.ipynb")
-    assert "8 configurations" in text
+    assert "4 configurations" in text  # the tiny model's small settings: k in (1, 4)
     rows = re.findall(r"^(ngram|layerskip L=2)\s+(\d)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)", text, re.M)
     assert [(name, int(k)) for name, k, *_ in rows] == [
-        (name, k) for name in ("ngram", "layerskip L=2") for k in (1, 2, 4, 8)]
+        (name, k) for name in ("ngram", "layerskip L=2") for k in (1, 4)]
     for _, k, a, measured, formula in rows:
         assert 0.0 <= float(a) <= 1.0
         assert 1.0 <= float(measured) <= int(k) + 1

@@ -19,11 +19,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jspec
-from helpers import chi_square_check, exact_two_token_distribution, tiny_config, tiny_model
+from helpers import chi_square_check, exact_two_token_distribution, sampled_pair_counts, tiny_config, tiny_model
 from jspec.models.eagle import init_eagle_params
 from jspec.models.llama import output_embedding
 from jspec.speculative import acceptance, steps
@@ -103,19 +102,11 @@ def exact(small):
     return exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
 
 
-def _counts(model, d, dp, exact):
-    out = jspec.generate(model, [SAMPLED_PROMPT] * N, SAMPLED, drafter=d, drafter_params=dp, seeds=list(range(N)))
-    pairs = np.asarray([t[:2] for t in out.token_ids])
-    counts = np.zeros_like(exact)
-    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-    return counts, out
-
-
 @pytest.mark.parametrize("name", ["ngram", "layerskip", "noisy-draft", "eagle"])
 def test_sampled_output_follows_the_target_for_every_drafter(small, exact, name):
     d, dp = make_drafters(small, 2, sigma=1.0)[name]
-    counts, out = _counts(small, d, dp, exact)
-    assert 0 < out.accepted_counts[0] < out.proposed_counts[0], name  # drafts were judged, both ways
+    counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, N, d, dp)
+    assert 0 < accepted < proposed, name  # drafts were judged, both ways
     stat, threshold = chi_square_check(counts, exact)
     assert stat < threshold, (name, stat, threshold)
 
@@ -135,7 +126,7 @@ def test_the_check_catches_a_biased_sampler(small, exact, name, monkeypatch):
     jax.clear_caches()  # the steps are traced again with the biased sampler
     try:
         d, dp = make_drafters(small, 2, sigma=1.0)[name]
-        counts, _ = _counts(small, d, dp, exact)
+        counts, _, _ = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, N, d, dp)
     finally:
         monkeypatch.undo()
         jax.clear_caches()

@@ -59,8 +59,10 @@ def test_greedy_generation_matches_transformers(smollm2, hf_smollm2):
         assert got == ref[0, ids.shape[1]:].tolist(), prompt
 
 
+# The real model's tests keep to a few shapes (prompts under 32 tokens, max_tokens 32: token
+# buffers of 64) so that its programs, slow to compile with 30 layers, are shared between tests.
 def test_speculative_greedy_is_lossless_on_the_real_model(smollm2):
-    sp = jspec.SamplingParams(max_tokens=48)
+    sp = jspec.SamplingParams(max_tokens=32)
     plain = jspec.generate(smollm2, PROMPTS[:2], sp)
     for spec in [jspec.SpecConfig("ngram", 4), jspec.SpecConfig("layerskip", 3, layerskip_layers=12)]:
         out = jspec.generate(smollm2, PROMPTS[:2], sp, spec=spec)
@@ -102,7 +104,7 @@ def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
     assert card["target"]["weights_sha256"] == smollm2.weights_hash()
     assert sum(p.stat().st_size for p in path.iterdir() if p.is_file()) <= 32e6
     prompt = "def below_zero(operations: list) -> bool:\n    \"\"\"Return True if the balance ever falls below zero.\"\"\"\n"
-    sp = jspec.SamplingParams(max_tokens=48)
+    sp = jspec.SamplingParams(max_tokens=32)
     plain = jspec.generate(smollm2, [prompt], sp)
     out = jspec.generate(smollm2, [prompt], sp, spec=jspec.SpecConfig(method, 4, draft=name))
     assert out.token_ids == plain.token_ids
