@@ -154,9 +154,41 @@ def gathered_cache_collectives(eng) -> list[str]:
     return collectives_of_shapes(f.lower(x).compile().as_text(), page_shapes(eng))
 
 
+def pallas_in_shard_map(model, tp: int = 2) -> float:
+    """Max |logits difference| of one forward with the Pallas kernel (interpret mode) inside
+    shard_map at ``tp`` against the reference attention on one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jspec import parallel
+    from jspec.cache.paged import PAGE_AXES, init_cache
+    from jspec.models.llama import forward
+    from jspec.models.tensor_parallel import param_axes, tp_config, tp_params
+
+    tables = np.arange(1, 9, dtype=np.int32).reshape(2, 4)
+    tokens = np.asarray([p[:8] for p in PROMPTS], np.int32)
+    q_lens = np.asarray([8, 6], np.int32)
+
+    def run(cfg, params, attention, mesh=None):
+        c = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, 9, 4)
+        if mesh is not None:
+            c = c.replace(k_pages=tuple(parallel.put(x, mesh, PAGE_AXES) for x in c.k_pages),
+                          v_pages=tuple(parallel.put(x, mesh, PAGE_AXES) for x in c.v_pages))
+        return jax.jit(lambda p, c: forward(p, cfg, tokens, c, q_lens, attention=attention).logits)(params, c)
+
+    ref = run(model.config, model.params, "reference")
+    mesh = parallel.make_mesh(tp)
+    cfg = tp_config(model.config, tp)
+    params = tp_params(model.params, model.config, cfg)
+    out = run(cfg, parallel.put_tree(params, mesh, param_axes(params)), "interpret", mesh)
+    live = np.arange(tokens.shape[1])[None, :, None] < q_lens[:, None, None]
+    return float(jnp.max(jnp.where(live, jnp.abs(out - ref), 0.0)))
+
+
 def run_engines() -> dict:
-    out = {}
     model = target()
+    out = {"pallas_max_diff": pallas_in_shard_map(model)}
     for tp, methods in RUNS.items():
         for method in methods:
             t = time.perf_counter()

@@ -99,6 +99,10 @@ def test_params_and_cache_carry_the_rules_shardings(tp_runs):
     assert tp_runs["4/eagle"]["shardings"]["draft_page_specs"] == ["P('tp',)"]
 
 
+def test_pallas_kernel_runs_inside_shard_map(tp_runs):
+    assert tp_runs["pallas_max_diff"] < 1e-4  # interpret mode, tp 2, vs reference on one device
+
+
 def test_compiled_step_moves_no_kv_cache(tp_runs):
     for tp in (2, 4):
         rec = tp_runs[f"{tp}/eagle"]
