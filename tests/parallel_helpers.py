@@ -114,17 +114,24 @@ def shardings_report(eng) -> dict:
 
 
 def cache_collectives(eng) -> list[str]:
-    """Collectives in the compiled decode burst whose result has a page array's shape (global
-    or per device): a gathered or moved KV cache."""
+    """Collectives in the compiled bursts (decode/verification, and with a prefill chunk) whose
+    result has a page array's shape (global or per device): a gathered or moved KV cache."""
     import numpy as np
 
     from jspec.engine.runner import run_burst
+    from jspec.models.llama import Segment
 
     r, s = eng.runner, eng.scheduler
     step = eng._steps[eng.k_max]
-    text = run_burst.lower(step, r.params, r.drafter_params, r.state, s.tables(), np.zeros((len(s.slots),), np.int32),
-                           None, np.int32(1), np.bool_(False)).compile().as_text()
-    return collectives_of_shapes(text, page_shapes(eng))
+    rows, width = eng.prefill_shapes[0]
+    prefill = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32),
+                      np.full((rows,), len(s.slots), np.int32))
+    found = []
+    for seg in (None, prefill):
+        text = run_burst.lower(step, r.params, r.drafter_params, r.state, s.tables(),
+                               np.zeros((len(s.slots),), np.int32), seg, np.int32(1), np.bool_(False)).compile().as_text()
+        found += collectives_of_shapes(text, page_shapes(eng))
+    return found
 
 
 def page_shapes(eng) -> set[str]:

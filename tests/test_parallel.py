@@ -159,3 +159,5 @@ def test_cli_bad_tp_exits_2(tmp_path, capsys):
     assert "needs 2 devices; jax sees 1" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", str(ckpt), "--tp", "0"]) == 2
     assert "--tp must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model", str(ckpt), "--tp", "3", "--port", "0", "--no-warmup"]) == 2
+    assert "does not divide the 4 query heads" in capsys.readouterr().err

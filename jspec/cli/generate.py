@@ -114,8 +114,8 @@ def cmd_generate(args) -> int:
         raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
     items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
     prompts = [it["prompt"] for it in items]
+    check_tp_option(args)  # first: jax.distributed must start before anything touches a device
     base, spec, cache_config = checks.generate_options(args, prompts)
-    check_tp_option(args)
     if args.dynamic_k:
         if not spec.enabled:
             raise jspec.ConfigError("--dynamic-k needs --spec")

@@ -1,4 +1,5 @@
-"""``--tp`` and the multi-host flags of ``jspec generate`` and ``jspec serve``.
+"""``--tp`` (``jspec generate`` and ``jspec serve``) and the multi-host flags (``jspec generate``:
+the server runs on one host, since only one process would receive its requests).
 
     --tp N                     shard the target over N devices (jspec.parallel)
     --coordinator-address H:P  with --num-processes and --process-id: jax.distributed across
@@ -9,9 +10,11 @@
 from __future__ import annotations
 
 
-def add_parallel_arguments(p) -> None:
+def add_parallel_arguments(p, multi_host: bool = True) -> None:
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="devices to shard the target over (heads, MLP, vocabulary, KV pages; default 1)")
+    if not multi_host:
+        return
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0 (default $JSPEC_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in all")
@@ -25,7 +28,8 @@ def check_tp_option(args) -> None:
 
     if args.tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {args.tp}")
-    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    if hasattr(args, "coordinator_address"):
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def check_tp_fits(args, config) -> None:

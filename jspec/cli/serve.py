@@ -54,7 +54,7 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
     s.add_argument("--no-warmup", action="store_true", help="compile step variants on first use instead of at start")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'info' and 'debug' log each request (default info)")
-    add_parallel_arguments(s)
+    add_parallel_arguments(s, multi_host=False)
     s.set_defaults(func=cmd_serve)
 
 
@@ -96,6 +96,10 @@ def serve_options(args):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if os.environ.get("JSPEC_COORDINATOR_ADDRESS") or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        # only one process would receive the HTTP requests that every process must run
+        raise ConfigError("jspec serve runs on one host (--tp over its devices); multi-host is for jspec generate "
+                          "and the library (unset JSPEC_/JAX_COORDINATOR_ADDRESS)")
     check_tp_option(args)
     k = spec.num_speculative_tokens if spec.enabled else 0
     config = EngineConfig(max_num_seqs=args.max_num_seqs,

@@ -18,6 +18,11 @@ their K/V written into the cache before attention, and the returned cache's leng
 :func:`forward_segments` generalizes it to several :class:`Segment` s at once (the serving
 engine's mixed step: decode/verification rows of every sequence plus a prefill chunk of one):
 one pass of every matmul over all rows, attention per segment.
+
+Tensor parallelism (``config.tensor_parallel`` > 1; :mod:`jspec.models.tensor_parallel`, the
+rules in :mod:`jspec.parallel`): the fused QKV and gate/up columns are grouped per device, the
+matmuls are partitioned by GSPMD from the weights' shardings, and the KV writes and attention
+run inside ``shard_map`` over the KV-head axis.
 """
 
 from __future__ import annotations
