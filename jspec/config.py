@@ -81,6 +81,9 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # parameter and activation dtype; softmax and norms run in float32
+    # Tensor-parallel layout of the weights (jspec.parallel): the fused QKV and gate/up columns
+    # are grouped per device, and attention runs per device inside shard_map. 1 = one device.
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -123,6 +126,12 @@ class ModelConfig:
         if bos is not None and (not _is_int(bos) or not 0 <= bos < self.vocab_size):
             raise ConfigError(f"bos_token_id must be a token id in [0, {self.vocab_size}) or None, got {bos!r}")
         object.__setattr__(self, "bos_token_id", None if bos is None else int(bos))
+        tp = self.tensor_parallel
+        if not _is_int(tp) or tp < 1:
+            raise ConfigError(f"tensor_parallel must be an integer >= 1, got {tp!r}")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % tp:
+                raise ConfigError(f"tensor_parallel {tp} does not divide {name} ({getattr(self, name)})")
 
     @property
     def q_size(self) -> int:
@@ -319,7 +328,9 @@ class EngineConfig:
       ``max_model_len``, every slot at full length);
     - ``enable_prefix_caching``: share full prompt pages between requests with the same prefix;
     - ``max_burst_steps``: steps per device call (the host sees new tokens and arrivals between);
-    - ``seed``: seeds of requests that bring none are drawn from this.
+    - ``seed``: seeds of requests that bring none are drawn from this;
+    - ``tensor_parallel_size``: devices the target's heads, MLP and vocabulary (and the KV
+      pages) are sharded over (:mod:`jspec.parallel`).
     """
 
     max_num_seqs: int = 8
@@ -332,9 +343,11 @@ class EngineConfig:
     attention: str = "auto"
     seed: int = 0
     shuffle_pages: bool = False  # hand out pages in a random order (tests that paging is real)
+    tensor_parallel_size: int = 1  # devices the target is sharded over (jspec.parallel)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")

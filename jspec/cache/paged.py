@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+PAGE_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # logical axes of a page array (jspec.parallel)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

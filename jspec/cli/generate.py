@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
+
 PER_REQUEST_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
                       "num_speculative_tokens")
 
@@ -47,6 +49,7 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--page-size", type=int, default=16)
+    add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -111,6 +114,7 @@ def cmd_generate(args) -> int:
         raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
     items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
     prompts = [it["prompt"] for it in items]
+    check_tp_option(args)  # first: jax.distributed must start before anything touches a device
     base, spec, cache_config = checks.generate_options(args, prompts)
     if args.dynamic_k:
         if not spec.enabled:
@@ -127,6 +131,7 @@ def cmd_generate(args) -> int:
     longest_budget = max(sp.max_tokens for sp in params)
     # the config, then the fit (context, layer-skip depth, memory), then the weights
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
+    check_tp_fits(args, checkpoint.config)
     checks.generate_fits(checkpoint.config, prompts[:seqs], dataclasses.replace(base, max_tokens=longest_budget), spec,
                          cache_config, chat=args.chat)
     model = checkpoint.load()
@@ -139,7 +144,7 @@ def cmd_generate(args) -> int:
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
         max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens or seqs * (max_model_len + k + 1),
         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
-        max_burst_steps=8 if n == 1 and not args.json else 16)
+        max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp)
     enable_compile_cache()
     engine = LLMEngine(model, config, spec)
     reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 
+from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
 DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
 
 
@@ -53,6 +54,7 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
     s.add_argument("--no-warmup", action="store_true", help="compile step variants on first use instead of at start")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'info' and 'debug' log each request (default info)")
+    add_parallel_arguments(s, multi_host=False)
     s.set_defaults(func=cmd_serve)
 
 
@@ -94,11 +96,17 @@ def serve_options(args):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if os.environ.get("JSPEC_COORDINATOR_ADDRESS") or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        # only one process would receive the HTTP requests that every process must run
+        raise ConfigError("jspec serve runs on one host (--tp over its devices); multi-host is for jspec generate "
+                          "and the library (unset JSPEC_/JAX_COORDINATOR_ADDRESS)")
+    check_tp_option(args)
     k = spec.num_speculative_tokens if spec.enabled else 0
     config = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens or args.max_num_seqs * (k + 1) + 256,
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
-                          max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed)
+                          max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
+                          tensor_parallel_size=args.tp)
     checks._check_attention(args.attention)
     if spec.method in ("draft", "eagle"):
         checks._check_draft_exists(spec)
@@ -160,6 +168,7 @@ def _serve(args, spec, config, sock) -> int:
     from jspec.server.worker import EngineWorker
 
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
+    check_tp_fits(args, checkpoint.config)
     context = checkpoint.config.max_position_embeddings
     max_model_len = args.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > context:

@@ -24,8 +24,10 @@ import jax
 import numpy as np
 
 from jspec import attention as attention_lib
+from jspec import parallel
 from jspec.cache import PageAllocator
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.engine import sharded
 from jspec.engine.cost import CostModel
 from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_update
@@ -33,6 +35,7 @@ from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
 from jspec.models.llama import Segment
+from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.steps import PlainStep, SpecStep
 from jspec.timing import compile_seconds
@@ -88,10 +91,19 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
-        mc = model.config
         attention = attention_lib.resolve(config.attention)
+        tp = config.tensor_parallel_size
+        if tp > 1:  # check the heads before anything is loaded or placed
+            tp_config(model.config, tp)
+        self.mesh = parallel.make_mesh(tp) if tp > 1 else None
         if drafter is None and self.spec.enabled:
             drafter, drafter_params = make_drafter(self.spec, model, attention)
+        if self.mesh is not None:
+            one_device = model.config
+            model = self.model = sharded.shard_target(model, self.mesh)
+            drafter, drafter_params = sharded.shard_drafter(drafter, drafter_params, one_device, model.config,
+                                                            self.mesh)
+        mc = model.config
         self.drafter = drafter
         k_max = drafter.k if drafter is not None else 0
         self.k_max = k_max
@@ -134,11 +146,15 @@ class LLMEngine:
         if own is not None:
             kv += memory.kv_cache_bytes(own, num_pages * ps)
         device = jax.local_devices()[0]
-        memory.check_fits(kv + memory.token_buffer_bytes(b, self.buffer_len),
+        memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
-        state = init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
-                                  model.params, drafter_params)
+        def make(params, dparams):
+            return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
+                                     params, dparams)
+
+        state = (make(model.params, drafter_params) if self.mesh is None else
+                 sharded.build_state(make, self.mesh, drafter, model.params, drafter_params))
         self.runner = Runner(model.params, drafter_params, state, self.buffer_len)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()

@@ -75,7 +75,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
              spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None,
              cache_config: CacheConfig = CacheConfig(), attention: str = "auto", chat: bool = False,
              seeds: Optional[Sequence[int]] = None, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
-             stream_interval: int = 8) -> GenerationResult:
+             stream_interval: int = 8, tensor_parallel_size: int = 1) -> GenerationResult:
     """Generate continuations of ``prompts`` with ``model`` (a :class:`LoadedModel`).
 
     With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
@@ -84,7 +84,8 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
     :mod:`jspec.speculative.drafters.base`) with its ``drafter_params`` replaces the one ``spec``
     names. ``seeds`` gives each prompt its own seed (default ``sampling.seed + i``).
     ``on_tokens`` receives, after each burst of ``stream_interval`` steps, the new tokens of every
-    sequence since the last call.
+    sequence since the last call. ``tensor_parallel_size`` shards the target over that many
+    devices (:mod:`jspec.parallel`).
     """
     if not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -108,7 +109,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
                           kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
                           max_burst_steps=stream_interval if on_tokens is not None else sampling.max_tokens + 1,
                           attention=attention, shuffle_pages=cache_config.shuffle_pages,
-                          seed=sampling.seed or 0)
+                          seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size)
     engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
     reqs = [engine.add_request(str(i), p, dataclasses.replace(sampling, seed=seeds[i])) for i, p in enumerate(ids)]
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart

@@ -7,6 +7,9 @@
     outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids, outputs[0].outputs[0].finish_reason
     outputs[0].metrics.ttft, outputs[0].metrics.mean_acceptance_length
 
+``tensor_parallel_size=N`` shards the target over N devices (:mod:`jspec.parallel`; after
+``jspec.parallel.initialize_distributed()`` the devices may span hosts).
+
 ``generate`` takes one prompt (a string), or a list of prompts (strings, token-id lists, or
 ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` dicts), with one ``SamplingParams`` for
 all or one per prompt, and returns one :class:`RequestOutput` per prompt in order. For
@@ -41,11 +44,12 @@ class LLM:
     def __init__(self, model: Union[str, LoadedModel] = DEFAULT_MODEL, *, speculative_config: Optional[dict] = None,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: Optional[int] = None,
                  kv_cache_tokens: Optional[int] = None, page_size: int = 16, enable_prefix_caching: bool = True,
-                 max_burst_steps: int = 16, dtype: str = "float32", attention: str = "auto", seed: int = 0):
+                 max_burst_steps: int = 16, dtype: str = "float32", attention: str = "auto", seed: int = 0,
+                 tensor_parallel_size: int = 1):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, page_size=page_size,
                               enable_prefix_caching=enable_prefix_caching, max_burst_steps=max_burst_steps,
-                              attention=attention, seed=seed)
+                              attention=attention, seed=seed, tensor_parallel_size=tensor_parallel_size)
         spec = SpecConfig.from_dict(speculative_config)
         if isinstance(model, LoadedModel):
             self.model = model

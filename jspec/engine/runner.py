@@ -24,6 +24,7 @@ import numpy as np
 from jspec.cache import PagedKVCache, init_cache
 from jspec.config import ModelConfig
 from jspec.models.llama import Segment
+from jspec.parallel import to_host
 from jspec.sampling import RowSampling
 from jspec.speculative.state import DecodeState
 from jspec.speculative.steps import burst
@@ -124,9 +125,10 @@ def run_burst(step, params, drafter_params, state: DecodeState, tables, spec_k, 
 
 
 def snapshot(state: DecodeState) -> Snapshot:
-    return Snapshot(*[np.asarray(x) for x in jax.device_get(
-        (state.tokens, state.seq_lens, state.done, state.eos_hit, state.cache.lengths, state.num_steps,
-         state.num_drafts, state.accepted, state.proposed, state.steps))])
+    # to_host: on a mesh over several processes each reads its own replica
+    return Snapshot(*[to_host(x) for x in
+                      (state.tokens, state.seq_lens, state.done, state.eos_hit, state.cache.lengths, state.num_steps,
+                       state.num_drafts, state.accepted, state.proposed, state.steps)])
 
 
 def slot_update(slot: int, ids: list[int], table: np.ndarray, max_len: int, start: int, params, seed: int,

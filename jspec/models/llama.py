@@ -18,6 +18,11 @@ their K/V written into the cache before attention, and the returned cache's leng
 :func:`forward_segments` generalizes it to several :class:`Segment` s at once (the serving
 engine's mixed step: decode/verification rows of every sequence plus a prefill chunk of one):
 one pass of every matmul over all rows, attention per segment.
+
+Tensor parallelism (``config.tensor_parallel`` > 1; :mod:`jspec.models.tensor_parallel`, the
+rules in :mod:`jspec.parallel`): the fused QKV and gate/up columns are grouped per device, the
+matmuls are partitioned by GSPMD from the weights' shardings, and the KV writes and attention
+run inside ``shard_map`` over the KV-head axis.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import attention as attention_lib
-from jspec.cache.paged import PagedKVCache, write_kv
+from jspec import parallel
+from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
 
 
@@ -123,6 +129,38 @@ def _split(x: jax.Array, metas) -> list[jax.Array]:
     return out
 
 
+def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pages, v_pages):
+    """Every segment's K/V into the pages, then attention per segment (q/k/v per segment
+    [Bs, Ts, heads, D], pages [KVH, P, S, D]); returns (outputs [Bs, Ts, Hq, D] per segment,
+    k_pages, v_pages). Under tensor parallelism this runs per device inside ``shard_map`` on
+    the device's heads and its slice of the pages: heads are independent, nothing is gathered."""
+    attn = attention_lib.get(attention)
+    tables = [m.block_tables for m in metas]
+    starts = [m.start for m in metas]
+    q_lens = [m.q_lens for m in metas]
+
+    def run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens):
+        with jax.named_scope("kv_write"):  # every segment's K/V lands before any attention
+            for k, v, bt, st, ql in zip(ks, vs, tables, starts, q_lens):
+                k_pages = write_kv(k_pages, k, bt, st, ql)
+                v_pages = write_kv(v_pages, v, bt, st, ql)
+        with jax.named_scope("verify_attention"):
+            outs = [attn(q, k_pages, v_pages, bt, st + ql, ql) for q, bt, st, ql in zip(qs, tables, starts, q_lens)]
+        return outs, k_pages, v_pages
+
+    if cfg.tensor_parallel == 1:
+        return run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
+    n = len(metas)
+    heads = parallel.spec(("batch", "length", "heads", "head_dim"))
+    kv = parallel.spec(("batch", "length", "kv_heads", "head_dim"))
+    pages = parallel.spec(PAGE_AXES)
+    rep = parallel.spec(())
+    sharded = jax.shard_map(run, mesh=parallel.abstract_mesh(cfg.tensor_parallel),
+                            in_specs=([heads] * n, [kv] * n, [kv] * n, pages, pages, [rep] * n, [rep] * n, [rep] * n),
+                            out_specs=([heads] * n, pages, pages), check_vma=False)
+    return sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention: str = "reference"
@@ -131,25 +169,21 @@ class Attention(nn.Module):
     def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H] rows of every segment
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
+        tp = cfg.tensor_parallel
+        # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
         qkv = nn.Dense(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
                        param_dtype=dtype, name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
         inv_freq = rope_inv_freq(cfg)
-        qs = []
+        q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
+        qs, ks, vs = [], [], []
         for m, part in zip(metas, _split(qkv, metas)):
-            q, k, v = jnp.split(part, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-            q = apply_rope(q.reshape(*m.shape, cfg.num_heads, cfg.head_dim), m.positions, inv_freq)
-            k = apply_rope(k.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim), m.positions, inv_freq)
-            v = v.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim)
-            with jax.named_scope("kv_write"):  # every segment's K/V lands before any attention
-                k_pages = write_kv(k_pages, k, m.block_tables, m.start, m.q_lens)
-                v_pages = write_kv(v_pages, v, m.block_tables, m.start, m.q_lens)
-            qs.append(q)
-        attn = attention_lib.get(self.attention)
-        outs = []
-        for m, q in zip(metas, qs):
-            with jax.named_scope("verify_attention"):
-                o = attn(q, k_pages, v_pages, m.block_tables, m.start + m.q_lens, m.q_lens)  # [Bs, Ts, Hq, D]
-            outs.append(o.reshape(-1, cfg.q_size))
+            part = part.reshape(*m.shape, tp, q_cols + 2 * kv_cols)
+            q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
+            qs.append(apply_rope(q.reshape(*m.shape, cfg.num_heads, cfg.head_dim), m.positions, inv_freq))
+            ks.append(apply_rope(k.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim), m.positions, inv_freq))
+            vs.append(v.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim))
+        outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, qs, ks, vs, k_pages, v_pages)
+        outs = [o.reshape(-1, cfg.q_size) for o in outs]
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="o_proj")(o)
         return out, k_pages, v_pages
@@ -163,8 +197,11 @@ class MLP(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         gate_up = nn.Dense(2 * cfg.intermediate_size, use_bias=False, dtype=dtype,
-                           param_dtype=dtype, name="gate_up_proj")(x)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
+                           param_dtype=dtype, name="gate_up_proj")(x)  # [M, 2 I]
+        # columns grouped per device: [tp, 2, I/tp] (tp = 1: [gate | up])
+        gate_up = gate_up.reshape(*x.shape[:-1], cfg.tensor_parallel, 2, -1)
+        gate = gate_up[..., 0, :].reshape(*x.shape[:-1], cfg.intermediate_size)
+        up = gate_up[..., 1, :].reshape(*x.shape[:-1], cfg.intermediate_size)
         return nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                         name="down_proj")(nn.silu(gate) * up)
 
