@@ -100,7 +100,7 @@ def serve_options(args):
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed)
     checks._check_attention(args.attention)
-    if spec.method in ("draft", "eagle"):
+    if spec.method in ("draft", "eagle", "hybrid"):
         checks._check_draft_exists(spec)
     return spec, config
 
