@@ -101,7 +101,8 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: {kind}:NAME[:K] needs a checkpoint name or path")
         k = k_of(ks)
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}", SpecConfig(kind, k, draft=name))
-    raise ConfigError(f"unknown method {text!r} (ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K)")
+    raise ConfigError(f"unknown method {text!r} "
+                      "(ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K)")
 
 
 def parse_methods(text: str) -> list[Method]:
