@@ -238,7 +238,7 @@ class SamplingParams:
         return self.max_tokens
 
 
-SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle")
+SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +247,10 @@ class SpecConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
-    ngram_max: int = 3  # n-gram prompt lookup: longest suffix tried first ...
+    ngram_max: int = 3  # n-gram prompt lookup (ngram, hybrid): longest suffix tried first ...
     ngram_min: int = 2  # ... down to this length
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
-    draft: Optional[str] = None  # draft / eagle: name or path of the draft checkpoint
+    draft: Optional[str] = None  # draft / eagle / hybrid: name or path of the draft checkpoint
     dynamic_k: bool = False  # the engine picks k per burst (0 .. num_speculative_tokens) by measured cost
 
     def __post_init__(self):
@@ -267,11 +267,11 @@ class SpecConfig:
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
+        if self.method in ("ngram", "hybrid") and not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "layerskip" and self.layerskip_layers < 1:
             raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
-        if self.method in ("draft", "eagle") and not self.draft:
+        if self.method in ("draft", "eagle", "hybrid") and not self.draft:
             raise ConfigError(f"spec method {self.method!r} needs a draft checkpoint")
 
     @property
@@ -280,13 +280,14 @@ class SpecConfig:
 
     # vLLM's ``speculative_config`` keys -> jspec's
     _VLLM_METHODS = {"ngram": "ngram", "layerskip": "layerskip", "draft_model": "draft", "draft": "draft",
-                     "eagle": "eagle", "none": "none"}
+                     "eagle": "eagle", "hybrid": "hybrid", "none": "none"}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "SpecConfig":
         """A SpecConfig from vLLM's ``speculative_config`` dictionary: ``method`` (ngram,
-        layerskip, draft_model, eagle), ``num_speculative_tokens``, ``model`` (draft path or
-        shipped name), ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram), ``layers``
+        layerskip, draft_model, eagle; and jspec's hybrid: n-gram lookup, else the EAGLE head
+        ``model``), ``num_speculative_tokens``, ``model`` (draft path or shipped name),
+        ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram and hybrid), ``layers``
         (layer-skip), ``dynamic_k``."""
         if d is None:
             return cls()

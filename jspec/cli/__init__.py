@@ -2,7 +2,7 @@
 
     jspec generate PROMPT [PROMPT ...] | --prompts-file FILE [--model NAME_OR_PATH] [--max-tokens N]
                           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR]
-                          [--chat] [--json] [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH}]
+                          [--chat] [--json] [--spec {none,ngram,layerskip:L,draft:PATH,eagle:PATH,hybrid:PATH}]
                           [--num-speculative-tokens K] [--dynamic-k] [--max-num-seqs N] ...
     jspec serve [--model NAME] [--host 127.0.0.1] [--port 8000] [--speculative-config JSON]
                 [--max-num-seqs N] [--max-model-len N] [--kv-cache-tokens N] [--api-key KEY] ...

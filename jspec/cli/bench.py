@@ -29,7 +29,7 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
     b.add_argument("--limit", type=int, default=10, help="first N prompts (default 10)")
     b.add_argument("--start", type=int, default=0, help="skip the first prompts (default 0)")
     b.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K "
+                   help="comma-separated: ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K "
                    f"(default {DEFAULT_METHODS})")
     b.add_argument("--peers", default="", help="transformers (greedy + prompt lookup), "
                    "transformers-assisted:DRAFT (also assisted generation with a small-llama draft)")
@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens)
     checks._check_attention(args.attention)
     for m in methods:
-        if m.spec.method in ("draft", "eagle"):
+        if m.spec.method in ("draft", "eagle", "hybrid"):
             checks._check_draft_exists(m.spec)
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
     for m in methods:  # one prompt at a time: the longest prompt must fit, with each method's k

@@ -33,7 +33,8 @@ def text_argument(value: str, what: str) -> str:
 
 
 def parse_spec(value: str, k: int) -> SpecConfig:
-    """``none``, ``ngram``, ``layerskip:L``, ``draft:PATH_OR_NAME``, ``eagle:PATH`` -> SpecConfig."""
+    """``none``, ``ngram``, ``layerskip:L``, ``draft:PATH_OR_NAME``, ``eagle:PATH``, ``hybrid:PATH``
+    -> SpecConfig."""
     method, _, arg = value.partition(":")
     if method in ("none", "ngram"):
         if arg:
@@ -45,11 +46,11 @@ def parse_spec(value: str, k: int) -> SpecConfig:
         except ValueError:
             raise ConfigError(f"--spec layerskip:L needs an integer L, got {value!r}") from None
         return SpecConfig(method, num_speculative_tokens=k, layerskip_layers=layers)
-    if method in ("draft", "eagle"):
+    if method in ("draft", "eagle", "hybrid"):
         if not arg:
             raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
         return SpecConfig(method, num_speculative_tokens=k, draft=arg)
-    raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH or eagle:PATH, got {value!r}")
+    raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH, eagle:PATH or hybrid:PATH, got {value!r}")
 
 
 def _check_attention(impl: str) -> None:
@@ -70,8 +71,8 @@ def _check_draft_exists(spec: SpecConfig) -> None:
     from jspec.loading.drafts import resolve_draft_path
 
     path = resolve_draft_path(spec.draft)
-    if spec.method == "eagle" and (path is None or not path.is_dir()):
-        raise CheckpointNotFoundError(f"--spec eagle:{spec.draft}: no such EAGLE checkpoint directory")
+    if spec.method in ("eagle", "hybrid") and (path is None or not path.is_dir()):
+        raise CheckpointNotFoundError(f"--spec {spec.method}:{spec.draft}: no such EAGLE checkpoint directory")
     if spec.method == "draft" and path is None:
         resolve(spec.draft)  # a model name (smollm2-135m) or nothing: raises
 
@@ -93,7 +94,7 @@ def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, Spec
     spec = parse_spec(args.spec, DEFAULT_K if k is None else k)
     cache_config = CacheConfig(page_size=args.page_size)
     _check_attention(args.attention)
-    if spec.method in ("draft", "eagle"):
+    if spec.method in ("draft", "eagle", "hybrid"):
         _check_draft_exists(spec)
     return sampling, spec, cache_config
 

@@ -38,7 +38,8 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
     g.add_argument("--spec", default="none",
-                   help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH (default none)")
+                   help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH | hybrid:PATH "
+                        "(n-gram lookup, else the EAGLE head) (default none)")
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")

@@ -108,7 +108,7 @@ def serve_options(args):
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
                           tensor_parallel_size=args.tp)
     checks._check_attention(args.attention)
-    if spec.method in ("draft", "eagle"):
+    if spec.method in ("draft", "eagle", "hybrid"):
         checks._check_draft_exists(spec)
     return spec, config
 

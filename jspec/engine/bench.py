@@ -6,9 +6,10 @@ spreads over all of them. Rates are summed tokens over summed seconds (compilati
 each method is also run once on the first prompt before the timed runs).
 
 Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the reference),
-``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``. Peers
-(:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
-and prompt lookup on the same weights, and its assisted generation with a draft.
+``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``,
+``hybrid:NAME_OR_PATH:K``. Peers (:mod:`jspec.engine.peers`, with ``--peers transformers``):
+Hugging Face transformers' greedy and prompt lookup on the same weights, and its assisted
+generation with a draft.
 
 Greedy speculative decoding is lossless, so every jspec method's tokens must equal jspec AR's
 token for token; each difference is recorded as a :class:`Mismatch` (prompt and position) and
@@ -69,7 +70,7 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K]`` -> a jspec Method."""
+    """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]`` -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:
@@ -92,7 +93,7 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: layerskip:L[:K] needs an integer L")
         k = k_of(ks)
         return Method(f"jspec layerskip L={layers} k={k}", SpecConfig("layerskip", k, layerskip_layers=int(layers)))
-    if kind in ("draft", "eagle"):
+    if kind in ("draft", "eagle", "hybrid"):
         name, sep, ks = rest.rpartition(":")
         if not sep or not ks.isdigit():  # no K given: the whole rest is the name
             name, ks = rest, ""
@@ -100,7 +101,8 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: {kind}:NAME[:K] needs a checkpoint name or path")
         k = k_of(ks)
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}", SpecConfig(kind, k, draft=name))
-    raise ConfigError(f"unknown method {text!r} (ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K)")
+    raise ConfigError(f"unknown method {text!r} "
+                      "(ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K)")
 
 
 def parse_methods(text: str) -> list[Method]:

@@ -1,4 +1,5 @@
-"""Drafters: n-gram prompt lookup, layer-skip self-speculation, a draft model, an EAGLE head."""
+"""Drafters: n-gram prompt lookup, layer-skip self-speculation, a draft model, an EAGLE head,
+and the hybrid of lookup and head."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
         from jspec.speculative.drafters.eagle import make_eagle_drafter
 
         return make_eagle_drafter(spec, target, attention)
+    if spec.method == "hybrid":
+        from jspec.speculative.drafters.hybrid import make_hybrid_drafter
+
+        return make_hybrid_drafter(spec, target, attention)
     raise ConfigError(f"no drafter for spec method {spec.method!r}")
 
 

@@ -1,0 +1,97 @@
+"""Hybrid drafting: n-gram prompt lookup where the context has a match, the EAGLE head elsewhere.
+
+Per row and per step: if n-gram lookup (:mod:`.ngram`) finds an earlier occurrence of the
+context's suffix, its continuation is proposed (``num_drafts <= k``); otherwise the head's k
+drafts are. The choice is a function of the committed tokens only, never of a random draw, so
+each row's proposal is an ordinary drafter's proposal and verification stays lossless.
+
+- Draft distributions: head rows keep the head's logits; n-gram rows get logits that are 0 at
+  the drafted token and ``-inf`` elsewhere, whose processed softmax (any temperature, top-k,
+  top-p; greedy rows take its argmax) is exactly one-hot on that token: the q a deterministic
+  drafter has (``draft_logits=None`` means the same one-hot q in :class:`~.steps.SpecStep`).
+  Positions past an n-gram row's ``num_drafts`` are masked by acceptance (q = 0 there).
+- State: the head's (:class:`~.eagle.EagleState`). The head runs its chain on every step, also
+  when its drafts are not used, and ``observe``/``catch_up``/``prefill``/``admit`` are the
+  head's. That stays exact whichever drafts were verified: ``propose`` builds the head entry of
+  the pending last token from true inputs, and ``observe`` rebuilds every later committed
+  entry from the committed tokens and the verification pass's true features of them, never
+  from the proposal (entries the chain built on predicted features are overwritten or rolled
+  back). The n-gram half is stateless: it reads the token buffer.
+
+Cost: every step pays for the head's chain (k small forwards) plus the lookup, so a step with a
+match costs as much as an EAGLE step; what it gains is longer accepted runs on repeated text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.speculative.drafters.base import Proposal
+from jspec.speculative.drafters.eagle import EagleDrafter, EagleState, make_eagle_drafter
+from jspec.speculative.drafters.ngram import NgramDrafter
+from jspec.speculative.state import DecodeState
+
+
+def one_hot_logits(drafts: jax.Array, vocab_size: int) -> jax.Array:
+    """float32 [B, k, V]: 0 at each drafted token, ``-inf`` elsewhere (a deterministic draft's q)."""
+    hit = drafts[..., None] == jnp.arange(vocab_size, dtype=drafts.dtype)
+    return jnp.where(hit, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+    k: int
+    head: EagleDrafter  # proposes where lookup finds nothing; owns the state
+    n_max: int = 3  # n-gram lookup: longest suffix tried first ...
+    n_min: int = 2  # ... down to this length
+
+    def __post_init__(self):
+        if self.head.k != self.k:
+            raise ValueError(f"the head drafts k={self.head.k}, the hybrid k={self.k}")
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.head.config
+
+    @property
+    def cache_config(self) -> ModelConfig:
+        return self.head.cache_config
+
+    @property
+    def lookup(self) -> NgramDrafter:
+        return NgramDrafter(self.k, self.n_max, self.n_min)
+
+    def init_state(self, target_params, drafter_params, cache) -> EagleState:
+        return self.head.init_state(target_params, drafter_params, cache)
+
+    def admit(self, d: EagleState, mask, start, cache) -> EagleState:
+        return self.head.admit(d, mask, start, cache)
+
+    def prefill(self, drafter_params, target_params, d: EagleState, cache, segment, hidden) -> EagleState:
+        return self.head.prefill(drafter_params, target_params, d, cache, segment, hidden)
+
+    def observe(self, drafter_params, target_params, prev_state, state, verify_hidden, num_accepted) -> EagleState:
+        return self.head.observe(drafter_params, target_params, prev_state, state, verify_hidden, num_accepted)
+
+    def catch_up(self, drafter_params, target_params, prev_state, state, hidden) -> EagleState:
+        return self.head.catch_up(drafter_params, target_params, prev_state, state, hidden)
+
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        found = self.lookup.propose(None, target_params, state, sampling)  # drafts [B, k], num [B]
+        chain = self.head.propose(drafter_params, target_params, state, sampling)  # always: keeps the head in step
+        use = found.num_drafts > 0  # [B]: the context has a match
+        drafts = jnp.where(use[:, None], found.drafts, chain.drafts)  # [B, k]
+        logits = jnp.where(use[:, None, None], one_hot_logits(found.drafts, self.config.vocab_size),
+                           chain.draft_logits)  # [B, k, V]
+        num = jnp.where(use, found.num_drafts, self.k).astype(jnp.int32)  # [B]
+        return Proposal(drafts.astype(jnp.int32), logits, chain.drafter_state, state.cache, num)
+
+
+def make_hybrid_drafter(spec, target, attention: str = "reference"):
+    """(HybridDrafter, the head's params) from an EAGLE checkpoint and the spec's n-gram settings."""
+    head, params = make_eagle_drafter(spec, target, attention)
+    return HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min), params
