@@ -182,3 +182,16 @@ def sampled_pair_counts(model, prompt, sp, n: int, drafter=None, drafter_params=
             accepted += out.accepted_counts[0]
             proposed += out.proposed_counts[0]
     return counts, accepted, proposed
+
+
+def eagle_params(model, seed: int = 3):
+    """EAGLE drafter parameters over the full vocabulary, the head built from the target's own
+    layer (partly right, partly wrong: a drafter that is sometimes accepted)."""
+    import jax.numpy as jnp
+
+    from jspec.models.eagle import init_eagle_params
+    from jspec.models.llama import output_embedding
+
+    cfg = model.config
+    return {"head": init_eagle_params(cfg, jax.random.key(seed), model.params),
+            "lm_head": output_embedding(model.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}

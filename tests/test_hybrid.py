@@ -20,23 +20,15 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import chi_square_check, exact_two_token_distribution, tiny_config, tiny_model
+from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
+                     tiny_model)
 from jspec.cache import init_cache
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError
-from jspec.models.eagle import init_eagle_params
-from jspec.models.llama import output_embedding
 from jspec.sampling import RowSampling, probs
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter, one_hot_logits
 from jspec.speculative.state import DecodeState
-
-
-def eagle_params(model, seed: int = 3):
-    """An EAGLE head built from the target's own layer (as in test_partial_acceptance)."""
-    cfg = model.config
-    return {"head": init_eagle_params(cfg, jax.random.key(seed), model.params),
-            "lm_head": output_embedding(model.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
 
 
 SOURCES = {"ngram": 0, "head": 0}
@@ -166,7 +158,7 @@ SAMPLED = jspec.SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
 # With n_min = 2 the first step always looks up ([4, 3] occurred: drafts 4, 3); after a rejected
 # first draft (x1 != 4) the suffix [3, x1] has no match and the head drafts the second token.
 SAMPLED_PROMPT = [3, 4, 3, 4, 3]
-N, CHUNK = 4000, 500
+N = 4000
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +170,8 @@ def test_sampled_hybrid_follows_the_target(small):
     exact = exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
     d = CountingHybrid(2, EagleDrafter(2, small.config), n_max=3, n_min=2)
     dp = eagle_params(small)
-    counts = np.zeros_like(exact)
-    accepted = proposed = 0
     _reset()
-    for start in range(0, N, CHUNK):
-        out = jspec.generate(small, [SAMPLED_PROMPT] * CHUNK, SAMPLED, drafter=d, drafter_params=dp,
-                             seeds=list(range(start, start + CHUNK)))
-        pairs = np.asarray([t[:2] for t in out.token_ids])
-        np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-        accepted += out.accepted_counts[0]
-        proposed += out.proposed_counts[0]
+    counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, N, d, dp)
     assert SOURCES["ngram"] > 0 and SOURCES["head"] > 0, SOURCES
     assert 0 < accepted < proposed, (accepted, proposed)  # drafts were judged, both ways
     stat, threshold = chi_square_check(counts, exact)

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import pytest
 
 import jspec
-from helpers import chi_square_check, exact_two_token_distribution, sampled_pair_counts, tiny_config, tiny_model
-from jspec.models.eagle import init_eagle_params
-from jspec.models.llama import output_embedding
+from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
+                     tiny_model)
 from jspec.speculative import acceptance, steps
 from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -42,12 +41,6 @@ def noisy(model, sigma: float, seed: int):
     out = [p + sigma * jnp.std(p) * jax.random.normal(k, p.shape, p.dtype) if p.ndim > 1 else p
            for p, k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(tree, out)
-
-
-def eagle_params(model, seed: int = 3):
-    cfg = model.config
-    return {"head": init_eagle_params(cfg, jax.random.key(seed), model.params),
-            "lm_head": output_embedding(model.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
 
 
 def make_drafters(model, k: int, sigma: float):
