@@ -176,3 +176,42 @@ def test_sampled_hybrid_follows_the_target(small):
     assert 0 < accepted < proposed, (accepted, proposed)  # drafts were judged, both ways
     stat, threshold = chi_square_check(counts, exact)
     assert stat < threshold, (stat, threshold)
+
+
+def test_a_step_where_every_row_matches_skips_the_chain_and_observe_cannot_tell(target, head_params):
+    """When every running row has a match the head builds only the entry of the pending token;
+    after ``observe`` of the same verification its state equals the one after the whole chain."""
+    cfg, k = target.config, 3
+    head = EagleDrafter(k, cfg)
+    hybrid = HybridDrafter(k, head, n_max=3, n_min=1)
+    rows = [[5, 6, 7, 5, 6], [1, 2, 1]]  # both match
+    state = _state(cfg, rows, head, head_params, target.params, k)
+    sp = jspec.SamplingParams()
+    got = jax.jit(hybrid.propose, static_argnums=3)(head_params, target.params, state, sp)
+    full = jax.jit(head.propose, static_argnums=3)(head_params, target.params, state, sp)
+    seq = np.asarray(state.seq_lens)
+    np.testing.assert_array_equal(np.asarray(got.drafter_state.lengths), seq)  # one entry, not k
+    np.testing.assert_array_equal(np.asarray(full.drafter_state.lengths), seq - 1 + k)
+    assert np.asarray(got.num_drafts).tolist() == [3, 2]
+
+    # the verification committed 2 tokens in row 0 and 1 in row 1; its true features are random here
+    n_new = np.asarray([2, 1])
+    tokens = np.asarray(state.tokens).copy()
+    tokens[0, seq[0]:seq[0] + 2] = [7, 5]
+    tokens[1, seq[1]] = 2
+    after = dataclasses.replace(state, tokens=jnp.asarray(tokens), seq_lens=state.seq_lens + n_new)
+    hidden = jax.random.normal(jax.random.key(1), (len(rows), k + 1, cfg.hidden_size))
+    observe = jax.jit(head.observe)
+    outs = [observe(head_params, target.params, state, dataclasses.replace(after, drafter=p.drafter_state), hidden,
+                    jnp.asarray(n_new - 1)) for p in (got, full)]
+    a, b = outs
+    np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+    np.testing.assert_array_equal(np.asarray(a.last_feature), np.asarray(b.last_feature))
+    ps = state.cache.page_size
+    tables = np.asarray(state.cache.block_tables)
+    for row, n in enumerate(np.asarray(a.lengths)):  # every entry observe leaves in use
+        pos = np.arange(n)
+        slots = tables[row, pos // ps], pos % ps
+        for pa, pb in ((a.k_pages[0], b.k_pages[0]), (a.v_pages[0], b.v_pages[0])):
+            np.testing.assert_allclose(np.asarray(pa)[:, slots[0], slots[1]], np.asarray(pb)[:, slots[0], slots[1]],
+                                       rtol=0, atol=0)

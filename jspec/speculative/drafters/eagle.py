@@ -108,13 +108,29 @@ class EagleDrafter:
 
         return step
 
-    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+    def _first(self, drafter_params, target_params, state: DecodeState):
+        """The head's entry seq_len - 1 from (last token, last_feature): (step, logits of d_1, carry)."""
         d = state.drafter
         step = self._step(drafter_params, target_params, (~state.done).astype(jnp.int32))
         first, carry = step(last_tokens(state), (self._view(d, state.cache), d.last_feature))
+        return step, first, carry
+
+    @staticmethod
+    def _with_cache(d: EagleState, cache) -> EagleState:
+        return dataclasses.replace(d, k_pages=cache.k_pages, v_pages=cache.v_pages, lengths=cache.lengths)
+
+    def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        step, first, carry = self._first(drafter_params, target_params, state)
         drafts, logits, (cache, _) = sample_chain(step, carry, first, step_keys(state, SALT_DRAFT), self.k, sampling)
-        return Proposal(drafts, logits, dataclasses.replace(d, k_pages=cache.k_pages, v_pages=cache.v_pages,
-                                                            lengths=cache.lengths), state.cache)
+        return Proposal(drafts, logits, self._with_cache(state.drafter, cache), state.cache)
+
+    def advance(self, drafter_params, target_params, state: DecodeState) -> EagleState:
+        """The state ``propose`` leaves as far as ``observe`` reads it, without drafting: only the
+        entry of the pending last token (built from true inputs). ``observe`` rebuilds every later
+        entry from true features and resets the running slots' lengths, so the chain's other
+        entries are never read (for a caller whose drafts come from elsewhere this step)."""
+        _, _, (cache, _) = self._first(drafter_params, target_params, state)
+        return self._with_cache(state.drafter, cache)
 
     def _recompute(self, drafter_params, target_params, prev_state, state, feats, base_shift: int):
         """Recompute head entries from ``base`` = prev seq_len - ``base_shift`` up to the new

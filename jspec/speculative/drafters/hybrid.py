@@ -10,16 +10,17 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   top-p; greedy rows take its argmax) is exactly one-hot on that token: the q a deterministic
   drafter has (``draft_logits=None`` means the same one-hot q in :class:`~.steps.SpecStep`).
   Positions past an n-gram row's ``num_drafts`` are masked by acceptance (q = 0 there).
-- State: the head's (:class:`~.eagle.EagleState`). The head runs its chain on every step, also
-  when its drafts are not used, and ``observe``/``catch_up``/``prefill``/``admit`` are the
-  head's. That stays exact whichever drafts were verified: ``propose`` builds the head entry of
-  the pending last token from true inputs, and ``observe`` rebuilds every later committed
-  entry from the committed tokens and the verification pass's true features of them, never
-  from the proposal (entries the chain built on predicted features are overwritten or rolled
-  back). The n-gram half is stateless: it reads the token buffer.
+- State: the head's (:class:`~.eagle.EagleState`). The head builds the entry of the pending
+  last token on every step (its chain of k drafts only when some running row has no match), and
+  ``observe``/``catch_up``/``prefill``/``admit`` are the head's. That stays exact whichever
+  drafts were verified: ``propose`` builds the head entry of the pending last token from true
+  inputs, and ``observe`` rebuilds every later committed entry from the committed tokens and
+  the verification pass's true features of them, never from the proposal (entries the chain
+  built on predicted features are overwritten or rolled back). The n-gram half is stateless: it reads the token buffer.
 
-Cost: every step pays for the head's chain (k small forwards) plus the lookup, so a step with a
-match costs as much as an EAGLE step; what it gains is longer accepted runs on repeated text.
+Cost: a step in which every running row has a match pays the lookup and one head forward (the
+entry ``observe`` needs); a step with any row without one pays the head's whole chain (k head
+forwards), as an EAGLE step does.
 """
 
 from __future__ import annotations
@@ -82,13 +83,21 @@ class HybridDrafter:
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         found = self.lookup.propose(None, target_params, state, sampling)  # drafts [B, k], num [B]
-        chain = self.head.propose(drafter_params, target_params, state, sampling)  # always: keeps the head in step
         use = found.num_drafts > 0  # [B]: the context has a match
-        drafts = jnp.where(use[:, None], found.drafts, chain.drafts)  # [B, k]
-        logits = jnp.where(use[:, None, None], one_hot_logits(found.drafts, self.config.vocab_size),
-                           chain.draft_logits)  # [B, k, V]
+        lookup_q = one_hot_logits(found.drafts, self.config.vocab_size)  # [B, k, V]
+
+        def lookup_only(_):  # every running row has a match: the head only keeps in step
+            return found.drafts, lookup_q, self.head.advance(drafter_params, target_params, state)
+
+        def mixed(_):
+            chain = self.head.propose(drafter_params, target_params, state, sampling)
+            drafts = jnp.where(use[:, None], found.drafts, chain.drafts)  # [B, k]
+            logits = jnp.where(use[:, None, None], lookup_q, chain.draft_logits)  # [B, k, V]
+            return drafts, logits, chain.drafter_state
+
+        drafts, logits, dstate = jax.lax.cond(jnp.all(use | state.done), lookup_only, mixed, None)
         num = jnp.where(use, found.num_drafts, self.k).astype(jnp.int32)  # [B]
-        return Proposal(drafts.astype(jnp.int32), logits, chain.drafter_state, state.cache, num)
+        return Proposal(drafts.astype(jnp.int32), logits, dstate, state.cache, num)
 
 
 def make_hybrid_drafter(spec, target, attention: str = "reference"):
