@@ -162,9 +162,11 @@ def main():
             tokens = sum(map(len, out))
             row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
                    "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **extra}
-            if m.startswith("dynamic"):
-                row["k chosen"] = engine.cost.chosen
-                row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.cost.step_seconds.items() if v}
+            if m.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
+                most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
+                row["k chosen"] = engine.costs[most].chosen
+                row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v}
+                row["bursts by slot bucket"] = engine.stats.bursts_by_slots
             results["offline"].append(row)
             print(json.dumps(row), flush=True)
         if not args.no_hf:

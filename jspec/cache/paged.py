@@ -28,6 +28,8 @@ class PagedKVCache:
     block_tables: jax.Array  # int32 [B, max_pages_per_seq]
     lengths: jax.Array  # int32 [B]: tokens with valid K/V
 
+    SLOT_FIELDS = ("block_tables", "lengths")  # per sequence; the pages are a shared pool
+
     @property
     def num_layers(self) -> int:
         return len(self.k_pages)

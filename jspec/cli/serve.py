@@ -184,7 +184,8 @@ def _serve(args, spec, config, sock) -> int:
     name = args.served_model_name or args.model
     if not args.no_warmup:
         print(f"jspec serve: compiling the engine's step variants ({len(engine.prefill_shapes)} prefill "
-              f"shape(s))...", file=sys.stderr, flush=True)
+              f"shape(s), decode at slot buckets {', '.join(map(str, engine.buckets))})...", file=sys.stderr,
+              flush=True)
         engine.warmup()
     app = create_app(EngineWorker(engine), name, api_key=args.api_key)
     host, port = sock.getsockname()[:2]

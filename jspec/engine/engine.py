@@ -10,7 +10,11 @@ detokenized text, stop strings, finish reasons and metrics.
 Speculation is per request: each request's ``num_speculative_tokens`` caps its drafts (0 turns
 it off for that request); with ``SpecConfig.dynamic_k`` the engine picks the step's k (0 = no
 speculation) per burst from a cost model measured on this machine
-(:mod:`jspec.engine.cost`).
+(:mod:`jspec.engine.cost`), one per slot bucket.
+
+A decode burst runs on the running slots only, gathered into the smallest slot bucket
+(1, 2, 4, ... ``max_num_seqs``) that holds them (see :mod:`jspec.engine.runner`): at a low
+request rate one request pays for its own rows, not for every slot's.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine import sharded
 from jspec.engine.cost import CostModel
 from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
-from jspec.engine.runner import Runner, init_decode_state, slot_update
+from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_update
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
@@ -128,7 +132,10 @@ class LLMEngine:
         for k in candidates:
             if k > 0:
                 self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
-        self.cost = CostModel(candidates)
+        self.buckets = slot_buckets(b)
+        # a step's time depends on the rows it runs, so each bucket keeps its own measurements
+        self.costs = {n: CostModel(candidates) for n in self.buckets}
+        self._cost_bucket = self.buckets[-1]
         # The step that carries prefill chunks: with a fixed k the same speculative step as every
         # other (so a request's steps, and its sampled tokens, do not depend on who else is
         # prefilling); with dynamic k (already batch-dependent) the plain step, one variant fewer.
@@ -159,7 +166,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._last_steps = 0
-        self.stats = EngineStats(k_max)
+        self.stats = EngineStats(k_max, bursts_by_slots={n: 0 for n in self.buckets})
 
     # ------------------------------------------------------------------ requests
     @property
@@ -219,6 +226,14 @@ class LLMEngine:
             del self.requests[rid]
 
     # ------------------------------------------------------------------ one burst
+    @property
+    def cost(self) -> CostModel:
+        """The cost model of the bucket that last chose a k."""
+        return self.costs[self._cost_bucket]
+
+    def _bucket(self, live: int) -> int:
+        return next(n for n in self.buckets if n >= live)
+
     def _choose_k(self) -> int:
         if len(self.cost.candidates) == 1:
             return self.cost.candidates[0]
@@ -227,6 +242,8 @@ class LLMEngine:
             m = r.metrics
             cap = self._cap(r)
             rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps))
+        if rows:
+            self._cost_bucket = self._bucket(len(rows))
         return self.cost.choose(rows)
 
     def _cap(self, r: Request) -> int:
@@ -241,13 +258,23 @@ class LLMEngine:
         self._apply_slot_changes()
         if not self.scheduler.running and plan.prefill is None:
             return []
+        slots = self._burst_slots() if plan.prefill is None else None
         t0 = time.perf_counter()
         step = self._steps[self._prefill_k if plan.prefill is not None else plan.k]
         snap = self.runner.burst(step, self.scheduler.tables(), self._spec_caps(plan.k), self._segment(plan),
-                                 plan.num_steps, plan.stop_on_finish)
+                                 plan.num_steps, plan.stop_on_finish, slots)
         t1 = time.perf_counter()
+        bucket = len(self.scheduler.slots) if slots is None else len(slots)
         self.stats.bursts += 1
-        return self._collect(plan, snap, t0, t1)
+        self.stats.bursts_by_slots[bucket] += 1
+        return self._collect(plan, snap, t0, t1, bucket)
+
+    def _burst_slots(self) -> np.ndarray:
+        """The slots a decode burst runs on: the running ones, padded with idle slots (their
+        device rows are done: they take no part) up to the smallest bucket that holds them."""
+        live = sorted(r.slot for r in self.scheduler.running)
+        idle = sorted(set(range(len(self.scheduler.slots))) - set(live))
+        return np.asarray(live + idle[:self._bucket(len(live)) - len(live)], np.int32)
 
     def _apply_slot_changes(self) -> None:
         s = self.scheduler
@@ -284,7 +311,7 @@ class LLMEngine:
             q_lens[i], rows[i] = c.length, c.request.slot
         return Segment(tokens, q_lens, rows)
 
-    def _collect(self, plan: Plan, snap, t0: float, t1: float) -> list[RequestOutput]:
+    def _collect(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
         now = t1
         outputs = []
         if plan.prefill is not None:
@@ -314,14 +341,14 @@ class LLMEngine:
                     r.metrics.finished_time = now
                     self.stats.finished(r)
                 outputs.append(r.to_output())
-        self._observe_cost(plan, snap, t0, t1)
+        self._observe_cost(plan, snap, t0, t1, bucket)
         return outputs
 
-    def _observe_cost(self, plan: Plan, snap, t0: float, t1: float) -> None:
+    def _observe_cost(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> None:
         steps, self._last_steps = int(snap.steps) - self._last_steps, int(snap.steps)
         self.stats.steps_run += steps
         if plan.prefill is None and steps > 0 and compile_seconds(t0, t1) == 0.0:
-            self.cost.observe(plan.k, steps, t1 - t0)
+            self.costs[bucket].observe(plan.k, steps, t1 - t0)
 
     def _update_counters(self, r: Request, snap, slot: int) -> None:
         m, base = r.metrics, r.base
@@ -358,16 +385,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
-        """Compile every step variant that ``step()`` can pick (each candidate k, and the
-        prefill step with each prefill width) and the slot updates, so that serving compiles
-        nothing more. (With a fixed k the plain step is never picked: it is not compiled.)"""
+        """Compile every step variant that ``step()`` can pick (each candidate k at each slot
+        bucket, and the prefill step with each prefill width) and the slot updates, so that
+        serving compiles nothing more. (With a fixed k the plain step is never picked: it is not
+        compiled.)"""
         if self.scheduler.has_work():
             raise ConfigError("warmup() runs on an empty engine")
         s = self.scheduler
         tables = s.tables()
         caps = np.zeros((len(s.slots),), np.int32)
         for k in sorted(set(self.cost.candidates) | {self._prefill_k}):
-            self.runner.burst(self._steps[k], tables, caps, None, 1, False)
+            for n in self.buckets:
+                self.runner.burst(self._steps[k], tables, caps, None, 1, False, np.arange(n, dtype=np.int32))
         pad = len(s.slots)
         for rows, width in self.prefill_shapes:
             seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))
@@ -383,6 +412,7 @@ class EngineStats:
 
     k_max: int
     bursts: int = 0
+    bursts_by_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # bursts per slot bucket run
     num_requests: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0

@@ -6,6 +6,15 @@ going cause no recompilation. What varies from burst to burst is static and few-
 step (plain or speculative at one of a few k) and whether a prefill chunk rides along (at one
 of a few chunk widths); each such variant compiles once.
 
+**Slot buckets.** A decode burst runs on the live slots only: their rows of the state are
+gathered into a batch of S rows, S the smallest of a few bucket sizes (1, 2, 4, ... up to
+``max_num_seqs``) that holds them, padded with idle slots; the steps run on that sub-state and
+its rows are scattered back, all inside the one jitted call (:func:`run_burst_slots`). Only
+per-slot rows move (:func:`~jspec.speculative.state.take_slots`); the page pools are shared and
+addressed through the block tables. So one live request pays for one slot's rows (k + 1 query
+rows when speculating), not for ``max_num_seqs`` of them. Bursts that carry a prefill chunk
+run on every slot (the chunk's rows name slots of the full state; one variant per chunk shape).
+
 Host -> device: one slot's new contents when a request is admitted (``set_slot``), a slot
 released, and each burst's block tables and per-slot draft caps. Device -> host after each
 burst: a snapshot of tokens, lengths, flags and counters.
@@ -26,7 +35,7 @@ from jspec.config import ModelConfig
 from jspec.models.llama import Segment
 from jspec.parallel import to_host
 from jspec.sampling import RowSampling
-from jspec.speculative.state import DecodeState
+from jspec.speculative.state import DecodeState, put_slots, take_slots
 from jspec.speculative.steps import burst
 
 
@@ -124,6 +133,21 @@ def run_burst(step, params, drafter_params, state: DecodeState, tables, spec_k, 
     return burst(step, params, drafter_params, state, prefill, limit, stop_on_finish)
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def run_burst_slots(step, params, drafter_params, state: DecodeState, slots, tables, spec_k, limit,
+                    stop_on_finish) -> DecodeState:
+    """A decode burst (no prefill) on slots ``slots`` (int32 [S], distinct; S is the bucket)
+    only: gather their rows, run, scatter them back. Other slots are untouched."""
+    state = state.replace(cache=state.cache.replace(block_tables=tables), spec_k=spec_k)
+    sub = burst(step, params, drafter_params, take_slots(state, slots), None, limit, stop_on_finish)
+    return put_slots(state, sub, slots)
+
+
+def slot_buckets(num_slots: int) -> tuple[int, ...]:
+    """Batch sizes decode bursts compile for: powers of two below ``num_slots``, and ``num_slots``."""
+    return tuple(sorted({1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots} | {num_slots}))
+
+
 def snapshot(state: DecodeState) -> Snapshot:
     # to_host: on a mesh over several processes each reads its own replica
     return Snapshot(*[to_host(x) for x in
@@ -166,7 +190,14 @@ class Runner:
         self.state = release_slot(self.state, np.int32(slot))
 
     def burst(self, step, tables: np.ndarray, spec_k: np.ndarray, prefill: Optional[Segment], limit: int,
-              stop_on_finish: bool) -> Snapshot:
-        self.state = run_burst(step, self.params, self.drafter_params, self.state, tables, spec_k, prefill,
-                               np.int32(limit), np.bool_(stop_on_finish))
+              stop_on_finish: bool, slots: Optional[np.ndarray] = None) -> Snapshot:
+        """Run a burst on every slot, or (``slots``, int32 [S], distinct, no prefill) on those only."""
+        if slots is None or len(slots) == self.state.batch:
+            self.state = run_burst(step, self.params, self.drafter_params, self.state, tables, spec_k, prefill,
+                                   np.int32(limit), np.bool_(stop_on_finish))
+        else:
+            assert prefill is None, "a burst carrying a prefill chunk runs on every slot"
+            self.state = run_burst_slots(step, self.params, self.drafter_params, self.state,
+                                         np.asarray(slots, np.int32), tables, spec_k, np.int32(limit),
+                                         np.bool_(stop_on_finish))
         return snapshot(self.state)

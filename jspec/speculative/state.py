@@ -44,6 +44,11 @@ class DecodeState:
     proposed: jax.Array  # int32 [B, K]: proposed[b, j] = steps where draft j + 1 was proposed
     steps: jax.Array  # int32 []: loop iterations since the state was created
 
+    # the fields with one row per slot (leading axis B); ``cache`` and ``drafter`` declare their
+    # own, everything else (``steps``) is shared by all slots; see take_slots / put_slots
+    SLOT_FIELDS = ("tokens", "seq_lens", "max_lens", "done", "eos_hit", "ignore_eos", "key_data", "sampling",
+                   "spec_k", "num_steps", "num_drafts", "accepted", "proposed")
+
     def replace(self, **kw) -> "DecodeState":
         return dataclasses.replace(self, **kw)
 
@@ -53,6 +58,42 @@ class DecodeState:
 
 
 GenState = DecodeState  # the name of earlier releases
+
+
+def _map_slots(rows, shared, x, *more):
+    """Rebuild state ``x`` field by field: fields it lists in ``SLOT_FIELDS`` through ``rows``
+    (leaf by leaf, with the matching leaves of ``more``), nested states (dataclasses) recursively,
+    everything else (page pools, counters shared by all slots, None) through ``shared``. A
+    dataclass that does not declare ``SLOT_FIELDS`` is refused: guessing per-slot leaves by shape
+    would take EAGLE's per-page ``page_feature`` [P, H] for a per-slot array when P == B."""
+    if x is None:
+        return None
+    names = getattr(type(x), "SLOT_FIELDS", None)
+    if names is None:
+        raise TypeError(f"{type(x).__name__} does not declare its per-slot fields (SLOT_FIELDS)")
+    out = {}
+    for f in dataclasses.fields(x):
+        vals = [getattr(t, f.name) for t in (x,) + more]
+        if f.name in names:
+            out[f.name] = jax.tree.map(rows, *vals)
+        elif dataclasses.is_dataclass(vals[0]):
+            out[f.name] = _map_slots(rows, shared, *vals)
+        else:
+            out[f.name] = jax.tree.map(shared, *vals) if vals[0] is not None else None
+    return dataclasses.replace(x, **out)
+
+
+def take_slots(state: DecodeState, slots: jax.Array) -> DecodeState:
+    """The state of slots ``slots`` (int32 [S], distinct) alone, a batch of S: every per-slot
+    row gathered (tokens, lengths, block tables, a drafter's per-slot rows...); the page pools
+    (the target's and a drafter's, addressed through the block tables) pass through whole."""
+    return _map_slots(lambda a: jnp.take(a, slots, axis=0), lambda a: a, state)
+
+
+def put_slots(state: DecodeState, sub: DecodeState, slots: jax.Array) -> DecodeState:
+    """Write back a sub-state from :func:`take_slots` after steps ran on it: its rows go to
+    ``slots``, its shared leaves (pools the steps wrote, the step counter) replace the old ones."""
+    return _map_slots(lambda a, b: a.at[slots].set(b, unique_indices=True), lambda a, b: b, state, sub)
 
 
 def last_tokens(state: DecodeState) -> jax.Array:

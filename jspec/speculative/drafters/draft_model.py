@@ -34,6 +34,8 @@ class DraftModelState:
     v_pages: tuple[jax.Array, ...]
     lengths: jax.Array  # int32 [B]: in {seq_len - 2, seq_len - 1} for running slots
 
+    SLOT_FIELDS = ("lengths",)  # the pages are the shared pool
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter:

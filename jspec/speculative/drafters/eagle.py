@@ -40,6 +40,8 @@ class EagleState:
     last_feature: jax.Array  # [B, H]: the target's feature f_{seq_len - 2}
     page_feature: jax.Array  # [P, H]: the target's feature at the last slot of each prefilled page
 
+    SLOT_FIELDS = ("lengths", "last_feature")  # pages and page_feature belong to the pool
+
 
 def _embed(target_params, tokens):
     return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0)
