@@ -179,7 +179,7 @@ def main():
             print(json.dumps(row), flush=True)
     results.pop("_hf", None)
 
-    for m in args.online_methods.split(","):
+    for m in filter(None, args.online_methods.split(",")):  # --online-methods "": offline only
         engine = engine_for(model, spec_of(m), 8, max_model_len)
         for rate in [float(r) for r in args.online_rates.split(",")]:
             row = {"method": m, **online(engine, ids, sp, rate, args.online_requests)}
