@@ -239,6 +239,8 @@ class SamplingParams:
 
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
+CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
+HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +273,7 @@ class SpecConfig:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max <= {MAX_NGRAM}, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "layerskip" and self.layerskip_layers < 1:
             raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
-        if self.method in ("draft", "eagle", "hybrid") and not self.draft:
+        if self.method in CHECKPOINT_METHODS and not self.draft:
             raise ConfigError(f"spec method {self.method!r} needs a draft checkpoint")
 
     @property

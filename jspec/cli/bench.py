@@ -76,7 +76,7 @@ def _prompts(args) -> list[str]:
 
 def cmd_bench(args) -> int:
     from jspec.cli import checks, enable_compile_cache
-    from jspec.config import CacheConfig, SamplingParams
+    from jspec.config import CHECKPOINT_METHODS, CacheConfig, SamplingParams
     from jspec.engine.bench import parse_methods, run_bench
     from jspec.loading import open_checkpoint
 
@@ -87,7 +87,7 @@ def cmd_bench(args) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens)
     checks._check_attention(args.attention)
     for m in methods:
-        if m.spec.method in ("draft", "eagle", "hybrid"):
+        if m.spec.method in CHECKPOINT_METHODS:
             checks._check_draft_exists(m.spec)
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
     for m in methods:  # one prompt at a time: the longest prompt must fit, with each method's k

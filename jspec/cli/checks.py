@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jspec.config import CacheConfig, ModelConfig, SamplingParams, SpecConfig
+from jspec.config import CHECKPOINT_METHODS, HEAD_METHODS, CacheConfig, ModelConfig, SamplingParams, SpecConfig
 from jspec.errors import ConfigError, PromptError
 
 DEFAULT_K = 4
@@ -46,7 +46,7 @@ def parse_spec(value: str, k: int) -> SpecConfig:
         except ValueError:
             raise ConfigError(f"--spec layerskip:L needs an integer L, got {value!r}") from None
         return SpecConfig(method, num_speculative_tokens=k, layerskip_layers=layers)
-    if method in ("draft", "eagle", "hybrid"):
+    if method in CHECKPOINT_METHODS:
         if not arg:
             raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
         return SpecConfig(method, num_speculative_tokens=k, draft=arg)
@@ -71,7 +71,7 @@ def _check_draft_exists(spec: SpecConfig) -> None:
     from jspec.loading.drafts import resolve_draft_path
 
     path = resolve_draft_path(spec.draft)
-    if spec.method in ("eagle", "hybrid") and (path is None or not path.is_dir()):
+    if spec.method in HEAD_METHODS and (path is None or not path.is_dir()):
         raise CheckpointNotFoundError(f"--spec {spec.method}:{spec.draft}: no such EAGLE checkpoint directory")
     if spec.method == "draft" and path is None:
         resolve(spec.draft)  # a model name (smollm2-135m) or nothing: raises
@@ -94,7 +94,7 @@ def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, Spec
     spec = parse_spec(args.spec, DEFAULT_K if k is None else k)
     cache_config = CacheConfig(page_size=args.page_size)
     _check_attention(args.attention)
-    if spec.method in ("draft", "eagle", "hybrid"):
+    if spec.method in CHECKPOINT_METHODS:
         _check_draft_exists(spec)
     return sampling, spec, cache_config
 

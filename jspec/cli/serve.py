@@ -77,7 +77,7 @@ def parse_speculative_config(text):
 def serve_options(args):
     """Every check that needs no model: returns (SpecConfig, EngineConfig without the lengths)."""
     from jspec.cli import checks
-    from jspec.config import EngineConfig
+    from jspec.config import CHECKPOINT_METHODS, EngineConfig
     from jspec.errors import ConfigError
 
     spec = parse_speculative_config(args.speculative_config)
@@ -108,7 +108,7 @@ def serve_options(args):
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
                           tensor_parallel_size=args.tp)
     checks._check_attention(args.attention)
-    if spec.method in ("draft", "eagle", "hybrid"):
+    if spec.method in CHECKPOINT_METHODS:
         checks._check_draft_exists(spec)
     return spec, config
 

@@ -29,7 +29,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from jspec.config import SamplingParams, SpecConfig
+from jspec.config import CHECKPOINT_METHODS, SamplingParams, SpecConfig
 from jspec.engine.engine import encode_prompt
 from jspec.engine.generate import generate
 from jspec.errors import ConfigError, JspecError
@@ -93,7 +93,7 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: layerskip:L[:K] needs an integer L")
         k = k_of(ks)
         return Method(f"jspec layerskip L={layers} k={k}", SpecConfig("layerskip", k, layerskip_layers=int(layers)))
-    if kind in ("draft", "eagle", "hybrid"):
+    if kind in CHECKPOINT_METHODS:
         name, sep, ks = rest.rpartition(":")
         if not sep or not ks.isdigit():  # no K given: the whole rest is the name
             name, ks = rest, ""
