@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--impls", default="pallas,xla", help="attention implementations")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU, interpret mode")
     args = ap.parse_args()
     if args.smoke:
@@ -87,7 +88,7 @@ def main() -> int:
         with open(md, "a") as f:
             f.write(text + "\n")
 
-    impls = ("interpret", "xla") if args.smoke else ("pallas", "xla")
+    impls = ("interpret", "xla") if args.smoke else tuple(args.impls.split(","))
     dev = jax.devices()[0]
     line(f"\n# jspec end to end, {time.strftime('%Y-%m-%d %H:%M:%S')}: {dev.platform} "
          f"{dev.device_kind}, jax {jax.__version__}, random {args.shape} model, {args.dtype}, "
@@ -114,17 +115,19 @@ def main() -> int:
                 ar, ng = runs["ar"], runs["ngram"]
                 ar_tokens[(impl, batch)] = ar.token_ids
                 same = sum(a == b for a, b in zip(ar.token_ids, ng.token_ids))
+                first = min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                            for a, b in zip(ar.token_ids, ng.token_ids))
                 line(f"| {impl} | {batch} | {ar.tokens_per_second:.1f} | "
                      f"{ng.tokens_per_second:.1f} | "
                      f"{ng.tokens_per_second / ar.tokens_per_second:.2f}x | "
-                     f"{ng.mean_accepted_length:.2f} | {same}/{batch} | "
+                     f"{ng.mean_accepted_length:.2f} | {same}/{batch} (first difference at {first}) | "
                      f"{compile_s['ar']:.0f}, {compile_s['ngram']:.0f} |")
             except Exception as e:  # noqa: BLE001 -- report, keep going
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 line(f"| {impl} | {batch} | **error** {type(e).__name__}: {first} |")
                 traceback.print_exc()
-        a, b = ar_tokens.get((impls[0], batch)), ar_tokens.get((impls[1], batch))
-        if a is not None and b is not None:
+        a, b = (ar_tokens.get((impl, batch)) for impl in (impls + impls)[:2])
+        if len(impls) > 1 and a is not None and b is not None:
             agree = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s))
                      for s, t in zip(a, b)]
             line(f"| {impls[0]} vs xla AR | {batch} | identical prompts "
