@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import common
@@ -60,6 +62,15 @@ def engine_for(model, spec: SpecConfig, seqs: int, max_model_len: int) -> LLMEng
     engine = LLMEngine(model, config, spec)
     engine.warmup()
     return engine
+
+
+def release(engine: LLMEngine) -> None:
+    """Drop an engine's compiled programs before the next configuration compiles its own: each
+    XLA CPU executable holds hundreds of memory maps, and a sweep that keeps them all passes
+    Linux's vm.max_map_count (65,530) and dies in LLVM with "Cannot allocate memory"."""
+    engine.__dict__.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def offline(engine: LLMEngine, ids, sp) -> tuple[list[list[int]], float, dict]:
@@ -169,6 +180,7 @@ def main():
                 row["bursts by slot bucket"] = engine.stats.bursts_by_slots
             results["offline"].append(row)
             print(json.dumps(row), flush=True)
+            release(engine)
         if not args.no_hf:
             hf = results.setdefault("_hf", common.load_hf_peer())
             common.hf_generate(hf, ids[0], 4)  # warm-up
@@ -185,6 +197,7 @@ def main():
             row = {"method": m, **online(engine, ids, sp, rate, args.online_requests)}
             results["online"].append(row)
             print(json.dumps(row), flush=True)
+        release(engine)
 
     # tables
     print(f"\nSmolLM2-135M-Instruct (float32), greedy, HumanEval problems 0..{len(ids) - 1}, natural EOS, "

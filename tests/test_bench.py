@@ -50,6 +50,27 @@ def test_a_method_with_other_tokens_is_a_mismatch(model):
         report.check()
 
 
+def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
+    """--temperature: the jspec methods sample (AR's tokens depend on the seed), acceptance is
+    reported, tokens are not compared with AR's (other random draws), and greedy peers refuse."""
+    sp = jspec.SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    methods = bench.parse_methods("ngram:2")
+    report = bench.run_bench(model, PROMPTS, methods, max_tokens=12, progress=False, warmup_tokens=2,
+                             sampling=sp)
+    assert report.mismatches == [] and report.meta["sampling"] == "temperature 0.7, top-p 0.95, seed 3"
+    ng = report.rows()[1]
+    assert 1.0 <= ng["mean_accepted_length"] <= 3.0 and len(ng["acceptance_per_position"]) == 2
+    assert "n/a (sampled)" in report.markdown()
+    ar = [bench.run_jspec(model, jspec.SpecConfig(), bench.encode_prompt(model.tokenizer, PROMPTS[0], False), 12,
+                          sampling=jspec.SamplingParams(temperature=5.0, seed=s)).tokens for s in (1, 2)]
+    assert ar[0] != ar[1]  # sampling really happens: two seeds, two continuations
+    from jspec.engine.peers import transformers_peers
+
+    with pytest.raises(jspec.ConfigError, match="greedily"):
+        bench.run_bench(model, PROMPTS, bench.parse_methods("ar") + transformers_peers(model), max_tokens=4,
+                        progress=False, sampling=sp)
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
     ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
@@ -96,6 +117,8 @@ def test_cli_bench_bad_options_exit_2_before_loading(tiny_hf_llama):
     assert code == 2 and out == "" and "K must be an integer" in err
     code, out, err = _cli("bench", "--model", str(tiny_hf_llama), "--peers", "vllm")
     assert code == 2 and "unknown peer" in err
+    code, out, err = _cli("bench", "--model", str(tiny_hf_llama), "--peers", "transformers", "--temperature", "0.7")
+    assert code == 2 and out == "" and "decode greedily" in err
 
 
 def test_transformers_peers_rows(model):

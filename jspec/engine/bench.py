@@ -118,8 +118,10 @@ def parse_methods(text: str) -> list[Method]:
     return ar + [m for m in methods if not m.is_ar] if ar else [parse_method("ar")] + methods
 
 
-def run_jspec(model, spec: SpecConfig, ids: list[int], max_tokens: int, attention: str = "auto") -> Run:
-    r = generate(model, [ids], SamplingParams(max_tokens=max_tokens), spec=spec, attention=attention)
+def run_jspec(model, spec: SpecConfig, ids: list[int], max_tokens: int, attention: str = "auto",
+              sampling: Optional[SamplingParams] = None) -> Run:
+    sp = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
+    r = generate(model, [ids], sp, spec=spec, attention=attention)
     return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
 
 
@@ -275,7 +277,8 @@ class BenchReport:
                 "peak RSS MB": f"{r['peak_rss_mb']:.0f}",
                 "draft / verify / plain step ms":
                     "" if not s else f"{s['draft']:.1f} / {s['verify']:.1f} / {s['plain']:.1f}",
-                "greedy = AR": f"{r['same_tokens_as_ar']}/{self.num_prompts}",
+                "greedy = AR": (f"{r['same_tokens_as_ar']}/{self.num_prompts}"
+                                if self.meta.get("sampling", "greedy") == "greedy" else "n/a (sampled)"),
             }
             lines.append("| " + " | ".join(cells[c] for c in cols) + " |")
         return "\n".join(lines)
@@ -296,7 +299,8 @@ class BenchReport:
         names = [r.name for r in self.results]
         a.barh(names[::-1], [r.tokens_per_s for r in self.results][::-1], color="tab:blue")
         a.set_xlabel("tokens / s")
-        a.set_title(f"{self.num_prompts} prompts, up to {self.max_tokens} new tokens, greedy")
+        a.set_title(f"{self.num_prompts} prompts, up to {self.max_tokens} new tokens, "
+                    f"{self.meta.get('sampling', 'greedy')}")
         for r in self.results:
             acc = r.acceptance_per_position
             if acc:
@@ -313,13 +317,22 @@ class BenchReport:
 
 def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens: int = 128, chat: bool = False,
               attention: str = "auto", profile: bool = False, progress: bool = True,
-              warmup_tokens: int = 8) -> BenchReport:
+              warmup_tokens: int = 8, sampling: Optional[SamplingParams] = None) -> BenchReport:
     """Run ``methods`` (jspec AR first, as :func:`parse_methods` orders them; peers from
     :func:`jspec.engine.peers.transformers_peers` after) on every prompt; see the module
     docstring. ``profile`` adds draft / verify / plain step times of each speculative method
-    (:func:`jspec.engine.profile.profile_step` on the first prompt's state)."""
+    (:func:`jspec.engine.profile.profile_step` on the first prompt's state).
+
+    ``sampling`` (default greedy) sets temperature / top-k / top-p / seed for the jspec methods
+    (``max_tokens`` is this function's). Sampled, a speculative method's tokens follow the
+    target's distribution but come from other random draws than AR's, so they are not compared
+    (no mismatches, ``same_as_ar`` counts coincidences only); the peers decode greedily and are
+    refused."""
     if not methods or not methods[0].is_ar:
         raise ConfigError("the first method must be jspec ar (the reference)")
+    sampled = sampling is not None and sampling.temperature > 0
+    if sampled and any(m.run is not None for m in methods):
+        raise ConfigError("the transformers peers decode greedily: run them with temperature 0")
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     if not ids:
         raise ConfigError("no prompts to benchmark")
@@ -327,7 +340,7 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     def runner(m: Method) -> Callable[[list[int], int], Run]:
         if m.run is not None:
             return m.run
-        return lambda x, n: run_jspec(model, m.spec, x, n, attention)
+        return lambda x, n: run_jspec(model, m.spec, x, n, attention, sampling)
 
     runners = [runner(m) for m in methods]
     results = [MethodResult(m.name, k=m.spec.num_speculative_tokens if m.spec is not None and m.spec.enabled else 0,
@@ -361,7 +374,7 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
             pos = first_difference(reference, r.tokens)
             if pos is None:
                 results[j].same_as_ar += 1
-            elif m.lossless:
+            elif m.lossless and not sampled:
                 mismatches.append(Mismatch(m.name, i, pos, _at(reference, pos), _at(r.tokens, pos)))
             if bar is not None:
                 bar.update()
@@ -376,7 +389,19 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
             if m.spec is not None and m.spec.enabled and m.run is None:
                 s = profile_step(model, ids[0], m.spec, attention=attention)
                 r.step_ms = {"draft": s.draft_ms, "verify": s.verify_ms, "step": s.step_ms, "plain": s.plain_step_ms}
-    return BenchReport(results, mismatches, len(ids), max_tokens, [len(x) for x in ids], meta=_meta(model))
+    meta = dict(_meta(model), sampling=_describe(sampling))
+    return BenchReport(results, mismatches, len(ids), max_tokens, [len(x) for x in ids], meta=meta)
+
+
+def _describe(sampling: Optional[SamplingParams]) -> str:
+    if sampling is None or sampling.temperature == 0:
+        return "greedy"
+    parts = [f"temperature {sampling.temperature:g}"]
+    if sampling.top_p < 1:
+        parts.append(f"top-p {sampling.top_p:g}")
+    if sampling.top_k:
+        parts.append(f"top-k {sampling.top_k}")
+    return ", ".join(parts) + f", seed {sampling.seed}"
 
 
 def _at(tokens: Sequence[int], i: int) -> Optional[int]:

@@ -7,10 +7,16 @@ of a step at each candidate k (an average over the bursts that ran at that k, co
 excluded), and estimates, per request, what a step at k would yield from that request's own
 running acceptance:
 
-    E_b(k) = 1 + r_b * (a_b + a_b^2 + ... + a_b^k)
+    E_b(k) = 1 + r_b * (P_b1 + P_b2 + ... + P_bk)
 
-with a_b the request's per-token acceptance (accepted / proposed drafts, with a prior) and r_b
-the share of its steps that had a proposal at all (n-gram lookup finds none on some). The burst
+with r_b the share of its steps that had a proposal at all (n-gram lookup finds none on some)
+and P_bj the share of those steps in which draft j was accepted (vLLM's
+``num_accepted_tokens_per_pos[j-1]`` over ``num_drafts``), each pulled towards a prior a^j. This
+counts what proposals really yield: an n-gram match often proposes fewer than k drafts, so a
+per-token acceptance a_b = accepted / proposed with E = 1 + r_b (a_b + ... + a_b^k) (the model
+used when the per-position counts are not given) over-rates large k, and did (BENCHMARKS.md:
+dynamic k at batch 16 kept k = 4 at 0.69x AR). Positions beyond the k a request has run at
+stay near the prior's low a^j, so the estimate errs towards smaller k. The burst
 runs at the k with the most expected tokens per second, sum_b E_b(min(k, cap_b)) / t(k); k = 0
 (no speculation) is a candidate, so speculation turns itself off when it stops paying.
 Candidates never measured are tried once first.
@@ -18,7 +24,7 @@ Candidates never measured are tried once first.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 
 class CostModel:
@@ -41,17 +47,24 @@ class CostModel:
         self.step_seconds[k] = per if old is None else (1 - self.smoothing) * old + self.smoothing * per
         self._since[k] = 0
 
-    def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int) -> float:
+    def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int,
+                        accepted_per_pos: Optional[Sequence[int]] = None) -> float:
         """E(k) for one request from its counters (see the module docstring)."""
         if k == 0:
             return 1.0
-        a = (accepted + self.prior_acceptance * self.prior_weight) / (proposed + self.prior_weight)
+        w, a0 = self.prior_weight, self.prior_acceptance
+        r = (drafted_steps + w) / (steps + w)
+        if accepted_per_pos is not None:
+            per_pos = list(accepted_per_pos) + [0] * max(0, k - len(accepted_per_pos))
+            return 1.0 + r * sum(min((per_pos[j - 1] + w * a0 ** j) / (drafted_steps + w), 1.0)
+                                 for j in range(1, k + 1))
+        a = (accepted + a0 * w) / (proposed + w)
         a = min(max(a, 0.0), 0.999)
-        r = (drafted_steps + self.prior_weight) / (steps + self.prior_weight)
         return 1.0 + r * sum(a ** j for j in range(1, k + 1))
 
-    def choose(self, requests: list[tuple[int, int, int, int, int]]) -> int:
-        """``requests``: per running request (cap, accepted, proposed, drafted steps, steps)."""
+    def choose(self, requests: list[tuple]) -> int:
+        """``requests``: per running request (cap, accepted, proposed, drafted steps, steps) and
+        optionally its accepted-per-position counts."""
         if not requests:
             return self.chosen
         for k in self.candidates:

@@ -241,7 +241,8 @@ class LLMEngine:
         for r in self.scheduler.running:
             m = r.metrics
             cap = self._cap(r)
-            rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps))
+            rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps,
+                         m.num_accepted_tokens_per_pos))
         if rows:
             self._cost_bucket = self._bucket(len(rows))
         return self.cost.choose(rows)

@@ -83,23 +83,44 @@ class DraftData:
         return cls(t["tokens"], t["lengths"], t["prompt_lengths"], t.get("features"), t.get("argmax"))
 
 
-def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
-                       progress: Optional[Callable[[int], None]] = None) -> DraftData:
-    """Greedy continuations of ``prompts`` by the target, batched by similar prompt length."""
-    from jspec.config import SamplingParams
+def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
+                       progress: Optional[Callable[[int], None]] = None, static: bool = False) -> DraftData:
+    """Greedy continuations of ``prompts`` by the target (EOS respected).
+
+    Through the serving engine: ``batch_size`` sequences decode together, and the moment one
+    finishes its slot takes the next prompt (continuous batching: no sequence waits for the
+    slowest of a batch, no padding to the longest). ``static=True`` runs the old way, static
+    batches of ``batch_size`` prompts of similar length through ``generate`` (kept to measure the
+    difference, ``benchmarks/bench_datagen.py``). Both give the same tokens: greedy decoding in
+    the engine does not depend on what else runs beside a sequence."""
+    from jspec.config import EngineConfig, SamplingParams
+    from jspec.engine.engine import LLMEngine
     from jspec.engine.generate import generate
 
     ids = [target.tokenizer(p)["input_ids"] for p in prompts]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    seqs: dict[int, list[int]] = {}
     sp = SamplingParams(max_tokens=max_new_tokens)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        out = generate(target, [ids[i] for i in batch], sp)
-        for i, new in zip(batch, out.token_ids):
-            seqs[i] = ids[i] + new
-        if progress:
-            progress(len(batch))
+    seqs: dict[int, list[int]] = {}
+    if static:
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            out = generate(target, [ids[i] for i in batch], sp)
+            for i, new in zip(batch, out.token_ids):
+                seqs[i] = ids[i] + new
+            if progress:
+                progress(len(batch))
+    else:
+        longest = max(map(len, ids)) + max_new_tokens
+        max_len = min(-(-longest // 64) * 64, target.config.max_position_embeddings)
+        engine = LLMEngine(target, EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size + 512,
+                                                max_model_len=max_len, kv_cache_tokens=batch_size * max_len,
+                                                max_burst_steps=16, enable_prefix_caching=False))
+        reqs = [engine.add_request(str(i), x, sp) for i, x in enumerate(ids)]
+        while engine.has_unfinished_requests():
+            done = sum(out.finished for out in engine.step())
+            if progress and done:
+                progress(done)
+        seqs = {i: ids[i] + list(r.output_ids) for i, r in enumerate(reqs)}
     width = max(len(s) for s in seqs.values())
     tokens = np.zeros((len(ids), width), np.int32)
     for i, s in seqs.items():

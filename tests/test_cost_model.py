@@ -1,0 +1,51 @@
+"""Dynamic k's choice (jspec.engine.cost) from measured step times and per-request counters."""
+
+import pytest
+
+from jspec.engine.cost import CostModel
+
+# Step times like the 2-core CPU's at 16 rows (BENCHMARKS.md, engine, batch 16).
+STEP_SECONDS = {0: 0.132, 1: 0.210, 2: 0.267, 4: 0.293}
+
+
+def measured() -> CostModel:
+    cost = CostModel((0, 1, 2, 4))
+    for k, t in STEP_SECONDS.items():
+        cost.observe(k, steps=10, seconds=10 * t)
+    return cost
+
+
+def short_proposals(n: int = 16):
+    """n-gram-like requests after 200 steps at k = 4: a proposal on 150 steps, but mostly one or
+    two drafts long, so accepted / proposed is high (0.71) while the yield per step is small."""
+    drafted, per_pos = 150, [90, 40, 20, 10]  # draft j accepted on that many drafted steps
+    accepted = sum(per_pos)  # 160
+    proposed = 225  # 150 first drafts, 50 second, 15 third, 10 fourth: 160 / 225 = 0.71
+    return [(4, accepted, proposed, drafted, 200, per_pos) for _ in range(n)]
+
+
+def test_short_proposals_turn_speculation_off_where_the_geometric_model_kept_k4():
+    rows = short_proposals()
+    per_pos = measured()
+    assert per_pos.choose(rows) == 0
+    tokens = per_pos.expected_tokens(4, *rows[0][1:])
+    assert 1.0 < tokens < 1.0 + 160 / 200 + 0.1  # close to what the steps really yielded
+    geometric = measured()  # the old estimate, without per-position counts
+    assert geometric.choose([r[:5] for r in rows]) == 4
+
+
+def test_long_accepted_proposals_keep_k4():
+    rows = [(4, 560, 600, 150, 150, [148, 144, 138, 130]) for _ in range(16)]
+    assert measured().choose(rows) == 4
+
+
+def test_a_request_capped_at_k1_counts_one_draft():
+    cost = measured()
+    row = (1, 560, 600, 150, 150, [148, 144, 138, 130])
+    assert cost.expected_tokens(1, *row[1:]) == pytest.approx(1 + (148 + 8 * 0.5) / (150 + 8) * (158 / 158))
+
+
+def test_unmeasured_candidates_are_tried_first():
+    cost = CostModel((0, 2, 4))
+    cost.observe(0, 4, 0.4)
+    assert cost.choose(short_proposals(1)) == 2
