@@ -99,8 +99,8 @@ def test_cli_bench_table_json_and_exit_1_on_mismatch(tiny_hf_llama, tmp_path, mo
 
     real = bench.run_jspec
 
-    def off_by_one(model, spec, ids, n, attention="auto"):  # ngram emits a wrong second token
-        r = real(model, spec, ids, n, attention)
+    def off_by_one(model, spec, ids, n, attention="auto", sampling=None):  # ngram: a wrong second token
+        r = real(model, spec, ids, n, attention, sampling)
         if spec.enabled and len(r.tokens) > 1:
             r.tokens[1] = (r.tokens[1] + 1) % model.config.vocab_size
         return r

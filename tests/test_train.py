@@ -184,3 +184,19 @@ def test_validation_keeps_the_best_parameters(target, tmp_path):
     val = card["training"]["validation"]
     assert val["sequences"] == 1 and sorted(val["top1_agreement_by_step"], key=int) == ["4", "8", "12", "16"]
     assert (tmp_path / "v" / ".train" / "best.safetensors").exists()
+
+
+def test_engine_data_equals_static_batches(target):
+    """Draft data through the engine (continuous batching, 3 slots for 7 prompts of different
+    lengths) holds exactly the tokens of the old static batches, and counts every prompt done."""
+    from jspec.train.data import generate_sequences, stdlib_prompts
+
+    prompts = [p[:200] for p in stdlib_prompts(7, seed=5)]
+    done = []
+    engine = generate_sequences(target, prompts, 10, batch_size=3, progress=done.append)
+    static = generate_sequences(target, prompts, 10, batch_size=3, static=True)
+    assert sum(done) == 7
+    np.testing.assert_array_equal(engine.prompt_lengths, static.prompt_lengths)
+    np.testing.assert_array_equal(engine.lengths, static.lengths)
+    np.testing.assert_array_equal(engine.tokens, static.tokens)
+    assert (engine.lengths > engine.prompt_lengths).all()
