@@ -5,9 +5,10 @@ prompts, static batches (the old way) against the serving engine's continuous ba
 
 One run, side by side: for each batch size, ``generate_sequences(..., static=True)`` (static
 batches of similar-length prompts through ``generate``) and ``generate_sequences`` (the engine,
-continuous batching), each after a warm-up on 8 prompts of its own (the engine then compiles
-nothing more; static batches of other shapes still compile, as they did in distillation); prompts/s, generated tokens/s, and whether both wrote the same tokens. The
-prompts are the distillation's own (``stdlib_prompts``), never a benchmark's.
+continuous batching), each after a warm-up on 8 prompts of its own (both still compile the
+shapes their timed run needs, as a distillation run does); prompts/s, generated tokens/s, and
+whether both wrote the same tokens. The prompts are the distillation's own
+(``stdlib_prompts``), never a benchmark's.
 """
 
 from __future__ import annotations
