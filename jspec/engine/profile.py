@@ -82,7 +82,7 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     propose = jax.jit(lambda dp, p, s: drafter.propose(dp, p, s, s.sampling))
     prop = propose(dparams, model.params, state)
     num = jnp.full((1,), k, jnp.int32) if prop.num_drafts is None else jnp.minimum(prop.num_drafts, k)
-    verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None))
+    verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None, pr.target_cache))
     whole = jax.jit(lambda p, dp, s: step(p, dp, s))
     plain = PlainStep(step.config, step.eos_ids, step.attention)
     plain_fn = jax.jit(lambda p, s: plain(p, None, s))
@@ -196,7 +196,8 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
 
             def verify(p, s, d, step=step, num=num):
                 prop = Proposal(d, None, None, s.cache, num)
-                return step._verify(p, s, prop, num, None)[2:4]
+                _, (_, n, nxt, _) = step._verify(p, s, prop, num, None, s.cache)
+                return n, nxt
 
             fn = jax.jit(verify)
             args = (model.params, state.replace(drafter=None), drafts)

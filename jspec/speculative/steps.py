@@ -24,6 +24,7 @@ from jspec import sampling as sampling_lib
 from jspec.config import ModelConfig
 from jspec.models.llama import Segment, forward_segments
 from jspec.speculative.acceptance import greedy_accept, rejection_sample
+from jspec.speculative.control import cond_in_place
 from jspec.speculative.state import DecodeState, commit, last_tokens, step_keys
 
 SALT_ACCEPT = 1  # step_keys salt of the token draws (drafters use other salts)
@@ -125,14 +126,16 @@ class SpecStep:
         num = jnp.where(running, jnp.minimum(real, state.spec_k), 0)  # [B]
 
         # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. When no
-        #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification.
+        #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification
+        #      (chosen on the device without copying the page pool: see cond_in_place).
         if prop.num_drafts is None:  # the drafter always proposes: a step without drafts is rare
-            cache, hidden, n, nxt, pre_hidden = self._verify(params, state, prop, num, prefill)
+            cache, (hidden, n, nxt, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache)
         else:
-            cache, hidden, n, nxt, pre_hidden = jax.lax.cond(
+            cache, (hidden, n, nxt, pre_hidden) = cond_in_place(
                 jnp.any(num > 0),
-                lambda: self._verify(params, state, prop, num, prefill),
-                lambda: self._plain(params, state, prop, prefill))
+                lambda c: self._verify(params, state, prop, num, prefill, c),
+                lambda c: self._plain(params, state, prefill, c),
+                prop.target_cache)
 
         # 4. Commit d_1..d_n and the extra token; commit() cuts at EOS and the token budget and
         #    rolls the target cache back to seq_len - 1 (the K/V of rejected drafts go stale).
@@ -155,14 +158,15 @@ class SpecStep:
                 dstate = self.drafter.prefill(drafter_params, params, dstate, new.cache, prefill, pre_hidden)
         return finish_prefill(new.replace(drafter=dstate), prefill)
 
-    def _verify(self, params, state: DecodeState, prop, num, prefill):
+    def _verify(self, params, state: DecodeState, prop, num, prefill, cache):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
-        their K/V at positions seq_len - 1 ..; acceptance picks n and the extra token."""
+        their K/V at positions seq_len - 1 .. of ``cache``; acceptance picks n and the extra token.
+        Returns (cache, (hidden, n, extra token, the prefill chunk's hidden or None))."""
         with jax.named_scope("verify"):
             q_lens = jnp.where(state.done, 0, num + 1).astype(jnp.int32)
             inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
             segments = (Segment(inp, q_lens),) + ((prefill,) if prefill is not None else ())
-            logits, hidden, cache = forward_segments(params, self.config, segments, prop.target_cache,
+            logits, hidden, cache = forward_segments(params, self.config, segments, cache,
                                                      attention=self.attention,
                                                      logits_for=(True,) + (False,) * (len(segments) - 1))
             logits = logits[0]  # [B, k + 1, V]
@@ -181,13 +185,13 @@ class SpecStep:
                 return rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p, num)
 
             n, nxt = jax.lax.cond(jnp.all(rs.greedy | state.done), greedy, sampled, None)
-        return cache, hidden[0], n, nxt, (hidden[1] if prefill is not None else None)
+        return cache, (hidden[0], n, nxt, (hidden[1] if prefill is not None else None))
 
-    def _plain(self, params, state: DecodeState, prop, prefill):
+    def _plain(self, params, state: DecodeState, prefill, cache):
         """No drafts anywhere: one token from the target, as plain decoding would do."""
-        cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state,
-                                                          prop.target_cache, prefill, num_rows=self.drafter.k + 1)
-        return cache, hidden, jnp.zeros_like(nxt), nxt, pre_hidden
+        cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, cache,
+                                                          prefill, num_rows=self.drafter.k + 1)
+        return cache, (hidden, jnp.zeros_like(nxt), nxt, pre_hidden)
 
 
 def burst(step, params, drafter_params, state: DecodeState, prefill: Optional[Segment], limit,

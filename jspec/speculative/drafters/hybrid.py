@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
+from jspec.speculative.control import cond_in_place
 from jspec.speculative.drafters.base import Proposal
 from jspec.speculative.drafters.eagle import EagleDrafter, EagleState, make_eagle_drafter
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -86,16 +87,17 @@ class HybridDrafter:
         use = found.num_drafts > 0  # [B]: the context has a match
         lookup_q = one_hot_logits(found.drafts, self.config.vocab_size)  # [B, k, V]
 
-        def lookup_only(_):  # every running row has a match: the head only keeps in step
-            return found.drafts, lookup_q, self.head.advance(drafter_params, target_params, state)
+        # the head's state (its pages) goes through the branch in place, not copied
+        def lookup_only(d):  # every running row has a match: the head only keeps in step
+            return self.head.advance(drafter_params, target_params, state.replace(drafter=d)), (found.drafts, lookup_q)
 
-        def mixed(_):
-            chain = self.head.propose(drafter_params, target_params, state, sampling)
+        def mixed(d):
+            chain = self.head.propose(drafter_params, target_params, state.replace(drafter=d), sampling)
             drafts = jnp.where(use[:, None], found.drafts, chain.drafts)  # [B, k]
             logits = jnp.where(use[:, None, None], lookup_q, chain.draft_logits)  # [B, k, V]
-            return drafts, logits, chain.drafter_state
+            return chain.drafter_state, (drafts, logits)
 
-        drafts, logits, dstate = jax.lax.cond(jnp.all(use | state.done), lookup_only, mixed, None)
+        dstate, (drafts, logits) = cond_in_place(jnp.all(use | state.done), lookup_only, mixed, state.drafter)
         num = jnp.where(use, found.num_drafts, self.k).astype(jnp.int32)  # [B]
         return Proposal(drafts.astype(jnp.int32), logits, dstate, state.cache, num)
 
