@@ -57,7 +57,7 @@ def _text(nb) -> str:
 def test_notebooks_are_stored_without_outputs():
     names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb",
-                     "04_engine.ipynb"]
+                     "04_engine.ipynb", "05_train_a_draft.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -107,3 +107,19 @@ def test_engine(run_notebook):
     _, text = run_notebook("04_engine.ipynb")
     assert "greedy outputs identical in every run" in text
     assert "step ms by k" in text and "k=0:" in text
+
+
+def test_train_a_draft(run_notebook):
+    nb, text = run_notebook("05_train_a_draft.ipynb")
+    points = int(re.search(r"tiny run: (\d+) validation points", text).group(1))
+    assert points == 3  # 24 steps, a checkpoint (and a held-out score) every 8
+    scores = [float(a) for a in re.findall(r"held-out top-1 agreement (\d\.\d+)", text)]
+    assert len(scores) == points and all(0.0 <= a <= 1.0 for a in scores)
+    assert "greedy identical to plain decoding: yes" in text
+    assert 1.0 <= float(re.search(r"mean accepted length at k = 4: (\d+\.\d+)", text).group(1)) <= 5.0
+    shipped = re.findall(r"shipped (smollm2-135m-\w+): top-1 agreement (\S+) at step \d+ -> (\S+) at step (\d+)", text)
+    assert [name for name, *_ in shipped] == ["smollm2-135m-eagle", "smollm2-135m-draft"]
+    for name, first, last, steps in shipped:  # read from the cards: the curves rose
+        assert float(last) > float(first) and int(steps) >= 500
+    images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+    assert len(images) == 1

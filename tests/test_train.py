@@ -1,6 +1,7 @@
 """Training drafts: the loss goes down, checkpoints round-trip exactly, resume is exact, a card
 naming another target is refused, and the small Llama exports to transformers."""
 
+import dataclasses
 import json
 import shutil
 
@@ -200,3 +201,34 @@ def test_engine_data_equals_static_batches(target):
     np.testing.assert_array_equal(engine.lengths, static.lengths)
     np.testing.assert_array_equal(engine.tokens, static.tokens)
     assert (engine.lengths > engine.prompt_lengths).all()
+
+
+@pytest.mark.parametrize("arch,other", [("eagle", "small-llama"), ("small-llama", "eagle")])
+def test_init_continues_from_a_draft(trained, target, tmp_path, arch, other):
+    """``init`` starts from a trained draft's parameters: with a learning rate too small to move
+    them, the result is that draft (not a fresh one), on new data and a new draft vocabulary;
+    the card names where it started and its held-out score before training. A checkpoint of the
+    other architecture is refused."""
+    path, _ = trained[arch]
+    dc = dataclasses.replace(_dc(arch, steps=2), prompts=5, draft_vocab=100, draft_layers=3,
+                             train=TrainConfig(steps=2, batch_size=4, learning_rate=1e-12, warmup_steps=0))
+    said = []
+    card = run(target, "t", tmp_path / "cont", dc, eval_prompts=0, init=str(path), say=said.append)
+    assert card["training"]["init"]["checkpoint"] == str(path)
+    assert card["draft_vocab"]["size"] <= 100
+    def params_of(p):
+        return ckpt.load_eagle(str(p), target)["head"] if arch == "eagle" else ckpt.load_draft(str(p), target)[0].params
+
+    before, after = params_of(path), params_of(tmp_path / "cont")
+    if arch == "small-llama":
+        assert card["config"]["draft_layers"] == 1  # the checkpoint's, not dc's 3
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    fresh = run(target, "t", tmp_path / "fresh", dataclasses.replace(dc, draft_layers=1), eval_prompts=0,
+                say=lambda *a: None)
+    assert "init" not in fresh["training"]
+    assert any(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(params_of(tmp_path / "fresh"))))
+    with pytest.raises(jspec.DraftMismatchError, match="architecture"):
+        run(target, "t", tmp_path / "wrong", dataclasses.replace(dc, arch=other), eval_prompts=0,
+            init=str(path), say=lambda *a: None)

@@ -25,6 +25,8 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--eval-prompts", type=int, default=10, help="held-out HumanEval prompts to measure (0: skip)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue from OUT/.train")
+    d.add_argument("--init", default=None, metavar="DRAFT",
+                   help="start from this draft checkpoint (name or path, same --arch) instead of a fresh draft")
     d.set_defaults(func=cmd_distill)
 
     e = sub.add_parser("export-draft", help="write a small-llama draft as a full Hugging Face directory")
@@ -83,7 +85,7 @@ def cmd_distill(args) -> int:
     if out.exists() and any(p.name != ".train" for p in out.iterdir()) and not args.resume:
         raise jspec.ConfigError(f"{out} already holds a checkpoint; pass --resume or choose another --out")
     target = target.load()
-    card = run(target, args.target, out, dc, resume=args.resume, eval_prompts=args.eval_prompts)
+    card = run(target, args.target, out, dc, resume=args.resume, eval_prompts=args.eval_prompts, init=args.init)
     print(f"wrote {out} ({card['architecture']}, {card['training']['steps']} steps)")
     return 0
 

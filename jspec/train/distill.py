@@ -117,9 +117,28 @@ def small_llama_init(target, num_layers: int):
     return cfg, trainable, [int(j) for j in picks]
 
 
+def init_params(target, dc: DistillConfig, init: str):
+    """(draft config, trainable params, draft layers) of a shipped draft to continue from: an
+    EAGLE head, or a small Llama's decoder layers and final norm (its embedding and LM head are
+    the target's, restricted to the new run's draft vocabulary, so the vocabulary may change).
+    The checkpoint's card must name this target and the run's architecture."""
+    if dc.arch == "eagle":
+        return target.config, ckpt.load_eagle(init, target)["head"], None
+    path = ckpt.resolve_draft_path(init)
+    if path is None or not path.is_dir() or ckpt.read_card(path) is None:
+        raise ConfigError(f"--init {init}: not a jspec draft checkpoint (a directory with a card)")
+    draft, _ = ckpt.load_draft(str(path), target)  # checks the card: this target, small-llama
+    n = draft.config.num_layers
+    cfg = dataclasses.replace(target.config, num_layers=n, tie_word_embeddings=True)
+    trainable = {f"layers_{i}": draft.params[f"layers_{i}"] for i in range(n)}
+    trainable["norm"] = {"scale": draft.params["norm"]["scale"]}
+    return cfg, trainable, n
+
+
 def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool = False,
-        eval_prompts: int = 10, say=print) -> dict:
-    """Train and save a draft; returns its card."""
+        eval_prompts: int = 10, init: Optional[str] = None, say=print) -> dict:
+    """Train and save a draft; returns its card. ``init``: a draft checkpoint (name or path) of
+    the same architecture to continue from instead of a fresh initialisation."""
     from jspec.models.eagle import init_eagle_params
     from jspec.train.objectives import distill_loss, eagle_loss
 
@@ -135,7 +154,14 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     labels = draft_labels(data, vocab_ids, target.config.vocab_size)
     batch_fn = make_batches(data, labels, dc.train.batch_size, dc.train.seed, pool=train_idx)
     meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
-    if dc.arch == "eagle":
+    if init is not None:
+        draft_cfg, trainable, layers = init_params(target, dc, init)
+        loss = eagle_loss(target.config, unroll=dc.unroll) if dc.arch == "eagle" else distill_loss(draft_cfg)
+        picks = None
+        if layers is not None:
+            dc = dataclasses.replace(dc, draft_layers=layers)
+        meta["init"] = str(init)
+    elif dc.arch == "eagle":
         trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params)
         loss = eagle_loss(target.config, unroll=dc.unroll)
         draft_cfg, picks = target.config, None
@@ -150,6 +176,11 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
 
         def validate(params):  # held-out top-1 agreement with the target: the early-stopping score
             return float(np.mean([val_loss(params, b) for b in val_batches]))
+
+    init_score = None
+    if init is not None and validate is not None:
+        init_score = validate(trainable)
+        say(f"--init {init}: held-out top-1 agreement before training {init_score:.4f}")
 
     trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
                                resume=resume, meta=meta, validate=validate)
@@ -173,6 +204,8 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
                      "validation": {"sequences": int(len(val_idx)),
                                     "top1_agreement_by_step": {str(h["step"]): round(h["validation"], 4)
                                                                for h in history if "validation" in h}},
+                     **({"init": {"checkpoint": str(init), "validation_before_training": round(init_score, 4)
+                                  if init_score is not None else None}} if init is not None else {}),
                      "wall_seconds": round(time.time() - started, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
     }

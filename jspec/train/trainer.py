@@ -135,6 +135,8 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
             if validate is not None:
                 score = float(validate(trainable))
                 history[-1]["validation"] = score
+                if bar is not None:
+                    bar.write(f"step {done}: held-out top-1 agreement with the target {score:.4f}")
                 if score > best_score:
                     best, best_score = trainable, score
                     if state_dir is not None:
