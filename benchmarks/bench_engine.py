@@ -11,6 +11,8 @@ engine at each ``max_num_seqs`` with each method, and transformers' batched ``ge
 batches of the same size, left padding, greedy). Every method is greedy, so each engine run must
 produce the same tokens as jspec AR at batch 1 (a mismatch is reported per method). Throughput is
 generated tokens over wall time (compilation excluded: each configuration is warmed up first).
+A method written ``METHOD@kernel`` (``ar@kernel``, ``ngram:4@kernel``) runs without the engine's
+small-row weight copy (``EngineConfig(small_row_weights=False)``), for a side-by-side comparison.
 
 Online: requests from the same prompts arrive as a Poisson process at each rate (requests/s);
 the engine serves them as they come (added between bursts when their arrival time has passed);
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def spec_of(method: str) -> SpecConfig:
-    name, _, k = method.partition(":")
+    name, _, k = method.split("@")[0].partition(":")
     k = int(k or 4)
     if name == "ar":
         return SpecConfig()
@@ -55,10 +57,19 @@ def spec_of(method: str) -> SpecConfig:
     raise SystemExit(f"unknown method {method!r}")
 
 
-def engine_for(model, spec: SpecConfig, seqs: int, max_model_len: int) -> LLMEngine:
+def small_rows_of(method: str):
+    """``METHOD@kernel``: the engine without its small-row weight copy (EngineConfig.small_row_weights)."""
+    _, _, how = method.partition("@")
+    if how not in ("", "kernel"):
+        raise SystemExit(f"unknown method suffix {how!r} in {method!r} (only @kernel)")
+    return False if how else None
+
+
+def engine_for(model, spec: SpecConfig, seqs: int, max_model_len: int, small_rows=None) -> LLMEngine:
     k = spec.num_speculative_tokens if spec.enabled else 0
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=seqs * (k + 1) + 256, max_model_len=max_model_len,
-                          kv_cache_tokens=seqs * (max_model_len + k + 1), max_burst_steps=16)
+                          kv_cache_tokens=seqs * (max_model_len + k + 1), max_burst_steps=16,
+                          small_row_weights=small_rows)
     engine = LLMEngine(model, config, spec)
     engine.warmup()
     return engine
@@ -165,7 +176,7 @@ def main():
     reference = None
     for b in sizes:
         for m in methods:
-            engine = engine_for(model, spec_of(m), b, max_model_len)
+            engine = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
             out, seconds, extra = offline(engine, ids, sp)
             if reference is None:
                 reference = out
@@ -192,7 +203,7 @@ def main():
     results.pop("_hf", None)
 
     for m in filter(None, args.online_methods.split(",")):  # --online-methods "": offline only
-        engine = engine_for(model, spec_of(m), 8, max_model_len)
+        engine = engine_for(model, spec_of(m), 8, max_model_len, small_rows_of(m))
         for rate in [float(r) for r in args.online_rates.split(",")]:
             row = {"method": m, **online(engine, ids, sp, rate, args.online_requests)}
             results["online"].append(row)

@@ -2,11 +2,14 @@
 greedy acceptance) at several q_lens on the real model (``jspec.engine.profile.profile_ops``).
 
     python benchmarks/profile_verify.py [--q-lens 1,2,5,9] [--repeats 10] [--prompt-index 0]
+                                        [--compare-small-row-weights]
 
 q_len 1 is a plain decoding step, q_len k + 1 the verification of k drafts. Each category is
 the median over calls of the summed durations of its XLA CPU thunks (their named-scope path in
 the compiled HLO), so the categories need not add up to the wall time (thunks may overlap,
 and dispatch between them is not counted); "wall" is the best call timed without the profiler.
+The target runs with the engine's parameters (on the CPU: with the small-row weight copy);
+``--compare-small-row-weights`` adds the same profile without the copy, in the same run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import argparse
 import common
 
 import jspec
-from jspec.engine.profile import profile_ops
+from jspec.config import SpecConfig
+from jspec.engine.profile import prepared_engine, profile_ops
 
 
 def main():
@@ -24,16 +28,27 @@ def main():
     ap.add_argument("--q-lens", default="1,2,5,9")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--prompt-index", type=int, default=0, help="HumanEval problem")
+    ap.add_argument("--compare-small-row-weights", action="store_true")
     args = ap.parse_args()
     model = jspec.load_model()
     prompt = common.humaneval_prompts(args.prompt_index, 1)[0]
     ids = model.tokenizer(prompt)["input_ids"]
     qs = [int(q) for q in args.q_lens.split(",")]
-    profs = profile_ops(model, ids, qs, repeats=args.repeats)
-    cats = sorted({c for p in profs for c in p.by_category}, key=lambda c: -max(p.by_category.get(c, 0) for p in profs))
     print(f"machine: {common.machine()}, git {common.git_rev()}")
     print(f"SmolLM2-135M-Instruct (float32), HumanEval problem {args.prompt_index} ({len(ids)} prompt tokens), "
-          f"median of {args.repeats} calls per q_len, ms\n")
+          f"median of {args.repeats} calls per q_len, ms")
+    engine = prepared_engine(model, ids, SpecConfig("ngram", max(max(qs) - 1, 1)))
+    runs = [("engine's parameters", profile_ops(model, ids, qs, repeats=args.repeats, engine=engine))]
+    if args.compare_small_row_weights:
+        runs.append(("without the small-row weight copy",
+                     profile_ops(model, ids, qs, repeats=args.repeats, engine=engine, params=model.params)))
+    for title, profs in runs:
+        print(f"\n### {title}\n")
+        _table(profs)
+
+
+def _table(profs):
+    cats = sorted({c for p in profs for c in p.by_category}, key=lambda c: -max(p.by_category.get(c, 0) for p in profs))
     rows = []
     base = {c: profs[0].by_category.get(c, 0.0) for c in cats}
     for p in profs:

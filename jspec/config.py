@@ -333,7 +333,10 @@ class EngineConfig:
     - ``max_burst_steps``: steps per device call (the host sees new tokens and arrivals between);
     - ``seed``: seeds of requests that bring none are drawn from this;
     - ``tensor_parallel_size``: devices the target's heads, MLP and vocabulary (and the KV
-      pages) are sharded over (:mod:`jspec.parallel`).
+      pages) are sharded over (:mod:`jspec.parallel`);
+    - ``small_row_weights``: keep a transposed copy of the target's layer projections for steps of
+      a few rows (:func:`jspec.models.llama.with_small_row_weights`); None = on the CPU backend
+      with one device, where it makes decoding and verification cheaper.
     """
 
     max_num_seqs: int = 8
@@ -347,6 +350,7 @@ class EngineConfig:
     seed: int = 0
     shuffle_pages: bool = False  # hand out pages in a random order (tests that paging is real)
     tensor_parallel_size: int = 1  # devices the target is sharded over (jspec.parallel)
+    small_row_weights: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps",
@@ -364,3 +368,5 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer in [1, 2^31), got {v!r}")
         if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if self.small_row_weights not in (None, True, False):
+            raise ConfigError(f"small_row_weights must be None, True or False, got {self.small_row_weights!r}")

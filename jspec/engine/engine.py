@@ -38,7 +38,7 @@ from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_up
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
-from jspec.models.llama import Segment
+from jspec.models.llama import Segment, with_small_row_weights
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.steps import PlainStep, SpecStep
@@ -156,13 +156,20 @@ class LLMEngine:
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
+        params = model.params
+        small_rows = config.small_row_weights
+        if small_rows is None:
+            small_rows = self.mesh is None and device.platform == "cpu"
+        if small_rows and self.mesh is None:
+            params = with_small_row_weights(params)
+
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
                                      params, dparams)
 
-        state = (make(model.params, drafter_params) if self.mesh is None else
-                 sharded.build_state(make, self.mesh, drafter, model.params, drafter_params))
-        self.runner = Runner(model.params, drafter_params, state, self.buffer_len)
+        state = (make(params, drafter_params) if self.mesh is None else
+                 sharded.build_state(make, self.mesh, drafter, params, drafter_params))
+        self.runner = Runner(params, drafter_params, state, self.buffer_len)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._last_steps = 0

@@ -77,20 +77,21 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     k = spec.num_speculative_tokens
     engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
     state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
+    params = engine.runner.params  # what the engine runs (with its small-row weights on the CPU)
     step = engine._steps[k]
 
     propose = jax.jit(lambda dp, p, s: drafter.propose(dp, p, s, s.sampling))
-    prop = propose(dparams, model.params, state)
+    prop = propose(dparams, params, state)
     num = jnp.full((1,), k, jnp.int32) if prop.num_drafts is None else jnp.minimum(prop.num_drafts, k)
     verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None, pr.target_cache))
     whole = jax.jit(lambda p, dp, s: step(p, dp, s))
     plain = PlainStep(step.config, step.eos_ids, step.attention)
     plain_fn = jax.jit(lambda p, s: plain(p, None, s))
     return StepProfile(
-        draft_ms=_time(propose, dparams, model.params, state, repeats=repeats),
-        verify_ms=_time(verify, model.params, state, prop, repeats=repeats),
-        step_ms=_time(whole, model.params, dparams, state, repeats=repeats),
-        plain_step_ms=_time(plain_fn, model.params, state.replace(drafter=None), repeats=repeats),
+        draft_ms=_time(propose, dparams, params, state, repeats=repeats),
+        verify_ms=_time(verify, params, state, prop, repeats=repeats),
+        step_ms=_time(whole, params, dparams, state, repeats=repeats),
+        plain_step_ms=_time(plain_fn, params, state.replace(drafter=None), repeats=repeats),
         k=k)
 
 
@@ -174,19 +175,21 @@ def trace_ops(fn, args, repeats: int = 10) -> tuple[dict, float]:
 
 
 def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats: int = 10,
-                attention: str = "auto", engine: Optional[LLMEngine] = None) -> list[OpProfile]:
+                attention: str = "auto", engine: Optional[LLMEngine] = None, params=None) -> list[OpProfile]:
     """Per-op profile of the jitted target step (forward + greedy acceptance) at each q_len on
     the state of ``prompt`` after its prefill: q_len 1 is a plain decoding step, q_len k + 1
-    the verification of k drafts."""
+    the verification of k drafts. ``params``: the target's parameters to run (default: the
+    engine's, with its small-row weights on the CPU)."""
     kmax = max(q_lens) - 1
     engine = engine or prepared_engine(model, prompt, SpecConfig("ngram", max(kmax, 1)), attention=attention)
     state = engine.runner.state
+    params = engine.runner.params if params is None else params
     cfg, eos, attn = model.config, tuple(model.config.eos_token_ids), engine._steps[0].attention
     out = []
     for q in q_lens:
         if q == 1:
             fn = jax.jit(lambda p, s: plain_token_step(p, cfg, attn, s, s.cache)[2])
-            args = (model.params, state.replace(drafter=None))
+            args = (params, state.replace(drafter=None))
         else:
             from jspec.speculative.drafters.ngram import NgramDrafter
 
@@ -200,7 +203,7 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
                 return n, nxt
 
             fn = jax.jit(verify)
-            args = (model.params, state.replace(drafter=None), drafts)
+            args = (params, state.replace(drafter=None), drafts)
         by_cat, _ = trace_ops(fn, args, repeats)
         best = _time(fn, *args, repeats=repeats)
         out.append(OpProfile(q, float("nan"), best, by_cat))

@@ -161,6 +161,59 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
     return sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
 
 
+# With this many rows (a verification step's or a small batch's decoding step, not a prefill
+# chunk's), a projection runs from its transposed copy ``weight`` [out, in] when the parameters
+# carry one: on XLA's CPU backend that product costs less than against ``kernel`` [in, out]
+# (SmolLM2-135M's k = 4 verification ~0.8x), where one or two rows cost about the same or less
+# and a hundred rows more (BENCHMARKS.md, issue 11's small-row products).
+SMALL_ROWS = range(3, 33)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class Linear(nn.Module):
+    """``nn.Dense`` with the same parameters (``kernel`` [in, out], optional ``bias``), which also
+    uses a ``weight`` [out, in] beside ``kernel`` for products of :data:`SMALL_ROWS` rows
+    (see :func:`with_small_row_weights`)."""
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        rows = math.prod(x.shape[:-1])
+        if rows in SMALL_ROWS and self.has_variable("params", "weight"):
+            w = self.get_variable("params", "weight")
+            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
+            y = jnp.dot(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
+        return y
+
+
+def with_small_row_weights(params):
+    """``params`` with a transposed copy ``weight`` [out, in] beside every decoder-layer
+    projection's ``kernel`` (the copy costs the projections' memory once more), for the CPU
+    backend, where a step of a few rows then costs less (SmolLM2-135M's k = 4 verification
+    ~0.8x, BENCHMARKS.md). Outputs equal the plain parameters' up to float rounding (another
+    summation order)."""
+
+    def walk(tree):
+        out = {}
+        for name, sub in tree.items():
+            if name in PROJECTIONS and "kernel" in sub:
+                sub = {**sub, "weight": jnp.asarray(sub["kernel"]).T.copy()}
+            elif isinstance(sub, dict):
+                sub = walk(sub)
+            out[name] = sub
+        return out
+
+    return walk(params)
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention: str = "reference"
@@ -171,8 +224,8 @@ class Attention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         tp = cfg.tensor_parallel
         # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
-        qkv = nn.Dense(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
-                       param_dtype=dtype, name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
+        qkv = Linear(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
+                     name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
         inv_freq = rope_inv_freq(cfg)
         q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
         qs, ks, vs = [], [], []
@@ -185,7 +238,7 @@ class Attention(nn.Module):
         outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, qs, ks, vs, k_pages, v_pages)
         outs = [o.reshape(-1, cfg.q_size) for o in outs]
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        out = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="o_proj")(o)
+        out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o)
         return out, k_pages, v_pages
 
 
@@ -196,14 +249,12 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        gate_up = nn.Dense(2 * cfg.intermediate_size, use_bias=False, dtype=dtype,
-                           param_dtype=dtype, name="gate_up_proj")(x)  # [M, 2 I]
+        gate_up = Linear(2 * cfg.intermediate_size, dtype=dtype, name="gate_up_proj")(x)  # [M, 2 I]
         # columns grouped per device: [tp, 2, I/tp] (tp = 1: [gate | up])
         gate_up = gate_up.reshape(*x.shape[:-1], cfg.tensor_parallel, 2, -1)
         gate = gate_up[..., 0, :].reshape(*x.shape[:-1], cfg.intermediate_size)
         up = gate_up[..., 1, :].reshape(*x.shape[:-1], cfg.intermediate_size)
-        return nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
-                        name="down_proj")(nn.silu(gate) * up)
+        return Linear(cfg.hidden_size, dtype=dtype, name="down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
