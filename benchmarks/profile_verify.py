@@ -8,8 +8,8 @@ q_len 1 is a plain decoding step, q_len k + 1 the verification of k drafts. Each
 the median over calls of the summed durations of its XLA CPU thunks (their named-scope path in
 the compiled HLO), so the categories need not add up to the wall time (thunks may overlap,
 and dispatch between them is not counted); "wall" is the best call timed without the profiler.
-The target runs with the engine's parameters (on the CPU: with the small-row weight copy);
-``--compare-small-row-weights`` adds the same profile without the copy, in the same run.
+``--compare-small-row-weights`` adds the same profile with the small-row weight copy
+(``jspec.models.llama.with_small_row_weights``), in the same run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import common
 import jspec
 from jspec.config import SpecConfig
 from jspec.engine.profile import prepared_engine, profile_ops
+from jspec.models.llama import with_small_row_weights
 
 
 def main():
@@ -38,10 +39,11 @@ def main():
     print(f"SmolLM2-135M-Instruct (float32), HumanEval problem {args.prompt_index} ({len(ids)} prompt tokens), "
           f"median of {args.repeats} calls per q_len, ms")
     engine = prepared_engine(model, ids, SpecConfig("ngram", max(max(qs) - 1, 1)))
-    runs = [("engine's parameters", profile_ops(model, ids, qs, repeats=args.repeats, engine=engine))]
+    runs = [("the model's parameters", profile_ops(model, ids, qs, repeats=args.repeats, engine=engine))]
     if args.compare_small_row_weights:
-        runs.append(("without the small-row weight copy",
-                     profile_ops(model, ids, qs, repeats=args.repeats, engine=engine, params=model.params)))
+        runs.append(("with the small-row weight copy",
+                     profile_ops(model, ids, qs, repeats=args.repeats, engine=engine,
+                                 params=with_small_row_weights(model.params))))
     for title, profs in runs:
         print(f"\n### {title}\n")
         _table(profs)

@@ -1,6 +1,6 @@
-"""The transposed copy of the layer projections the engine keeps on the CPU for steps of a few
-rows (issue 11, item 2): same parameters as ``nn.Dense``, used exactly for the row counts it is
-meant for, and the engine's outputs unchanged by it."""
+"""The transposed copy of the layer projections the engine can keep for steps of a few rows
+(``EngineConfig(small_row_weights=True)``, issue 11, item 2): same parameters as ``nn.Dense``,
+used exactly for the row counts it is meant for, and the engine's outputs unchanged by it."""
 
 import flax.linen as nn
 import jax
@@ -62,12 +62,12 @@ def test_engine_output_is_the_same_with_and_without_the_copy(spec):
     model = tiny_model(tiny_config(num_layers=3), scale=4.0)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, model.config.vocab_size, n)) * 2 for n in (5, 9, 13)]
-    with_copy, has = _greedy(model, spec, None, prompts)  # the CPU default: on
-    without, has_not = _greedy(model, spec, False, prompts)
+    with_copy, has = _greedy(model, spec, True, prompts)
+    without, has_not = _greedy(model, spec, False, prompts)  # the default
     assert has and not has_not
     assert with_copy == without
 
 
-def test_small_row_weights_must_be_a_bool_or_none():
+def test_small_row_weights_must_be_a_bool():
     with pytest.raises(ConfigError, match="small_row_weights"):
         EngineConfig(small_row_weights="yes")

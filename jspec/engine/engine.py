@@ -157,10 +157,7 @@ class LLMEngine:
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
         params = model.params
-        small_rows = config.small_row_weights
-        if small_rows is None:
-            small_rows = self.mesh is None and device.platform == "cpu"
-        if small_rows and self.mesh is None:
+        if config.small_row_weights and self.mesh is None:
             params = with_small_row_weights(params)
 
         def make(params, dparams):

@@ -77,7 +77,7 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     k = spec.num_speculative_tokens
     engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
     state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
-    params = engine.runner.params  # what the engine runs (with its small-row weights on the CPU)
+    params = engine.runner.params  # what the engine runs
     step = engine._steps[k]
 
     propose = jax.jit(lambda dp, p, s: drafter.propose(dp, p, s, s.sampling))
