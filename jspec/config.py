@@ -372,3 +372,5 @@ class EngineConfig:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.small_row_weights, bool):
             raise ConfigError(f"small_row_weights must be True or False, got {self.small_row_weights!r}")
+        if self.small_row_weights and self.tensor_parallel_size > 1:
+            raise ConfigError("small_row_weights needs one device (tensor_parallel_size 1)")

@@ -68,6 +68,8 @@ def test_engine_output_is_the_same_with_and_without_the_copy(spec):
     assert with_copy == without
 
 
-def test_small_row_weights_must_be_a_bool():
+def test_small_row_weights_must_be_a_bool_on_one_device():
     with pytest.raises(ConfigError, match="small_row_weights"):
         EngineConfig(small_row_weights="yes")
+    with pytest.raises(ConfigError, match="one device"):
+        EngineConfig(small_row_weights=True, tensor_parallel_size=2)

@@ -156,9 +156,7 @@ class LLMEngine:
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
-        params = model.params
-        if config.small_row_weights and self.mesh is None:
-            params = with_small_row_weights(params)
+        params = with_small_row_weights(model.params) if config.small_row_weights else model.params
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

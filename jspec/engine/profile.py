@@ -179,7 +179,7 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     """Per-op profile of the jitted target step (forward + greedy acceptance) at each q_len on
     the state of ``prompt`` after its prefill: q_len 1 is a plain decoding step, q_len k + 1
     the verification of k drafts. ``params``: the target's parameters to run (default: the
-    engine's, with its small-row weights on the CPU)."""
+    engine's)."""
     kmax = max(q_lens) - 1
     engine = engine or prepared_engine(model, prompt, SpecConfig("ngram", max(kmax, 1)), attention=attention)
     state = engine.runner.state

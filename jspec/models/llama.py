@@ -197,9 +197,9 @@ class Linear(nn.Module):
 def with_small_row_weights(params):
     """``params`` with a transposed copy ``weight`` [out, in] beside every decoder-layer
     projection's ``kernel`` (the copy costs the projections' memory once more), for the CPU
-    backend, where a step of a few rows then costs less (SmolLM2-135M's k = 4 verification
-    ~0.8x, BENCHMARKS.md). Outputs equal the plain parameters' up to float rounding (another
-    summation order)."""
+    backend, where a verification step alone then costs less (SmolLM2-135M's k = 4: ~0.8x; no
+    end-to-end gain shown yet, BENCHMARKS.md). Outputs equal the plain parameters' up to float
+    rounding (another summation order)."""
 
     def walk(tree):
         out = {}
