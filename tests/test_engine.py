@@ -36,6 +36,7 @@ def drafters(target):
     cfg = target.config
     eagle = {"head": init_eagle_params(cfg, jax.random.key(3), target.params),
              "lm_head": output_embedding(target.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
+    eagle3 = dict(eagle, head=init_eagle_params(cfg, jax.random.key(4), target.params, num_features=3))
     return {
         "none": (None, None),
         "ngram-3": (NgramDrafter(3, 3, 1), None),
@@ -43,6 +44,7 @@ def drafters(target):
         "draft-3": (DraftModelDrafter(3, draft.config), draft.params),
         "self-draft-4": (DraftModelDrafter(4, cfg), target.params),
         "eagle-3": (EagleDrafter(3, cfg), eagle),
+        "eagle3-3": (EagleDrafter(3, cfg, feature_layers=(0, 1, 2)), eagle3),  # fuses all three layers
     }
 
 
@@ -84,7 +86,7 @@ def run(target, requests, config, drafter=None, drafter_params=None, spec=SpecCo
     return engine, reqs
 
 
-@pytest.mark.parametrize("name", ["none", "ngram-3", "layerskip-2", "draft-3", "self-draft-4", "eagle-3"])
+@pytest.mark.parametrize("name", ["none", "ngram-3", "layerskip-2", "draft-3", "self-draft-4", "eagle-3", "eagle3-3"])
 def test_every_request_equals_its_solo_run(target, drafters, name):
     """Five requests of different lengths (some prefilled in several chunks) arriving at
     different steps into three slots: each one's greedy tokens equal its run alone."""
@@ -169,7 +171,7 @@ def test_preemption_recomputes_identically(target, drafters):
     requests = [(p, sp, 0) for p, sp in zip(prompts, params)]
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 4 + 32, max_model_len=64, page_size=8,
                           kv_cache_tokens=136, max_burst_steps=8)
-    for name in ("none", "ngram-3", "eagle-3"):
+    for name in ("none", "ngram-3", "eagle-3", "eagle3-3"):
         d, dp = drafters[name]
         engine, reqs = run(target, requests, config, d, dp)
         assert engine.stats.preemptions > 0, name
@@ -201,10 +203,11 @@ def test_prefix_cache_hits_are_exact_and_prefill_less(target, drafters):
                 assert reqs[i].metrics.num_accepted_tokens_per_pos == reqs_off[i].metrics.num_accepted_tokens_per_pos
 
 
-def test_eagle_state_after_a_prefix_hit_equals_a_full_prefill(target, drafters):
+@pytest.mark.parametrize("name", ["eagle-3", "eagle3-3"])
+def test_eagle_state_after_a_prefix_hit_equals_a_full_prefill(target, drafters, name):
     """The EAGLE head's previous feature and its K/V for a prompt that starts from cached pages
     equal those of the same prompt prefilled from scratch (never drafted from garbage)."""
-    d, dp = drafters["eagle-3"]
+    d, dp = drafters[name]
     common = prompts_with_repeats(1, seed=4, lo=35, hi=36)[0]
     second = common + [3, 1, 4, 1, 5]
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 4 + 64, max_model_len=128, page_size=8)
@@ -228,8 +231,10 @@ def test_eagle_state_after_a_prefix_hit_equals_a_full_prefill(target, drafters):
     hit, feat_hit, kv_hit = state_after_prefill(True)
     miss, feat_miss, kv_miss = state_after_prefill(False)
     assert hit.metrics.num_cached_tokens == 32 and miss.metrics.num_cached_tokens == 0
-    np.testing.assert_allclose(feat_hit, feat_miss, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(kv_hit, kv_miss, rtol=1e-5, atol=1e-5)
+    # (EAGLE-3's features are the raw residual stream, up to ~100 here: float32 rounding of
+    # another chunking shows at 1e-5 relative)
+    np.testing.assert_allclose(feat_hit, feat_miss, rtol=1e-4, atol=1e-5 * np.abs(feat_miss).max())
+    np.testing.assert_allclose(kv_hit, kv_miss, rtol=1e-4, atol=1e-5 * np.abs(kv_miss).max())
 
 
 def test_sampled_requests_are_the_same_alone_and_batched(target, drafters):

@@ -46,6 +46,7 @@ def test_card_describes_the_draft(trained, target, arch):
     assert card["architecture"] == arch and card["format"] == "jspec-draft"
     assert card["target"]["weights_sha256"] == target.weights_hash()
     assert card["data"]["prompts"] == 6 and "standard library" in card["data"]["source"]
+    assert card["data"]["mix"][0]["sequences"] == 6
     assert card["training"]["steps"] == 24 and 0 < card["draft_vocab"]["size"] <= 128
     size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     assert size < 30e6

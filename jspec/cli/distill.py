@@ -6,18 +6,33 @@ from pathlib import Path
 
 
 def add_distill_parser(sub) -> None:
-    d = sub.add_parser("distill", help="train a draft (small Llama or EAGLE head) for a target")
+    d = sub.add_parser("distill", help="train a draft (small Llama, EAGLE or EAGLE-3 head) for a target")
     d.add_argument("--target", default="smollm2-135m", help="target model name or path")
-    d.add_argument("--arch", default="eagle", choices=["small-llama", "eagle"])
+    d.add_argument("--arch", default="eagle", choices=["small-llama", "eagle", "eagle3"],
+                   help="eagle3: a head fusing low/middle/high target layers (see --feature-layers)")
     d.add_argument("--out", required=True, help="output directory, e.g. checkpoints/NAME")
-    d.add_argument("--prompts", type=int, default=256, help="training prompts (standard-library functions)")
+    d.add_argument("--prompts", type=int, default=256,
+                   help="standard-library signature + docstring prompts the target continues")
+    d.add_argument("--chat-prompts", type=int, default=0,
+                   help="chat-template requests (write this function / explain this module) the target answers")
+    d.add_argument("--read-code-tokens", type=int, default=0,
+                   help="tokens of standard-library source the target reads (teacher-forced, prefill speed)")
+    d.add_argument("--read-prose-tokens", type=int, default=0,
+                   help="tokens of Python's help() topics and docstrings the target reads")
+    d.add_argument("--window", type=int, default=384, help="tokens per read window")
     d.add_argument("--max-new-tokens", type=int, default=128, help="target continuation length per prompt")
     d.add_argument("--steps", type=int, default=1000)
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--learning-rate", type=float, default=1e-3)
     d.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft's head covers")
     d.add_argument("--draft-layers", type=int, default=2, help="small-llama: decoder layers")
-    d.add_argument("--unroll", type=int, default=2, help="eagle: training depth on its own predicted features")
+    d.add_argument("--ttt-depth", "--unroll", dest="ttt_depth", type=int, default=2,
+                   help="eagle heads: passes of the training-time test (the head trained on its own chain)")
+    d.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                   help="eagle3: target layers to fuse (default 2, L/2, L-3)")
+    d.add_argument("--budget-minutes", type=float, default=None,
+                   help="fit data + training + held-out scoring in this many minutes (sets the steps)")
+    d.add_argument("--eval-k", type=int, default=8, help="the card's held-out acceptance per position up to this k")
     d.add_argument("--checkpoint-every", type=int, default=100, help="steps between training-state saves "
                    "(and validation: the best-scoring parameters are kept)")
     d.add_argument("--weight-decay", type=float, default=0.01)
@@ -44,13 +59,26 @@ def check_numbers(args) -> None:
     from jspec.errors import ConfigError
     from jspec.train.distill import DistillConfig, split_validation
 
-    limits = {"prompts": 1 << 20, "max_new_tokens": MAX_TOKENS, "steps": INT32_MAX, "batch_size": 1 << 16,
-              "draft_vocab": INT32_MAX, "draft_layers": 1 << 10, "unroll": 1 << 10, "checkpoint_every": INT32_MAX,
-              "gen_batch_size": 1 << 16}
+    limits = {"max_new_tokens": MAX_TOKENS, "steps": INT32_MAX, "batch_size": 1 << 16,
+              "draft_vocab": INT32_MAX, "draft_layers": 1 << 10, "ttt_depth": 64, "checkpoint_every": INT32_MAX,
+              "gen_batch_size": 1 << 16, "eval_k": 64, "window": 1 << 16}
     for name, hi in limits.items():
         v = getattr(args, name)
         if not 1 <= v <= hi:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [1, {hi}], got {v}")
+    for name in ("prompts", "chat_prompts", "read_code_tokens", "read_prose_tokens"):
+        v = getattr(args, name)
+        if not 0 <= v <= 1 << 30:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 2^30], got {v}")
+    if args.prompts + args.chat_prompts + args.read_code_tokens + args.read_prose_tokens == 0:
+        raise ConfigError("the data mix is empty: give --prompts, --chat-prompts or --read-*-tokens")
+    if args.window < 32:
+        raise ConfigError(f"--window must be >= 32, got {args.window}")
+    if args.budget_minutes is not None and not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
+        raise ConfigError(f"--budget-minutes must be a finite number > 0, got {args.budget_minutes}")
+    args.feature_layers = parse_layers(args.feature_layers)
+    if args.feature_layers is not None and args.arch != "eagle3":
+        raise ConfigError("--feature-layers is for --arch eagle3")
     if not 0 <= args.eval_prompts <= 164:
         raise ConfigError(f"--eval-prompts must be in [0, 164] (HumanEval's problems), got {args.eval_prompts}")
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
@@ -59,10 +87,27 @@ def check_numbers(args) -> None:
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be in [0, 2^63), got {args.seed}")
-    train_prompts = len(split_validation(args.prompts, DistillConfig.validation_fraction, args.seed)[0])
-    if args.batch_size > train_prompts:
-        raise ConfigError(f"--batch-size {args.batch_size} exceeds the {train_prompts} training prompts "
-                          f"(--prompts {args.prompts}, less the held-out ones)")
+    if args.read_code_tokens + args.read_prose_tokens == 0:  # else the sequence count is known after reading
+        n = args.prompts + args.chat_prompts
+        train_prompts = len(split_validation(n, DistillConfig.validation_fraction, args.seed)[0])
+        if args.batch_size > train_prompts:
+            raise ConfigError(f"--batch-size {args.batch_size} exceeds the {train_prompts} training prompts "
+                              f"(--prompts + --chat-prompts {n}, less the held-out ones)")
+
+
+def parse_layers(text):
+    """``"2,15,27"`` -> (2, 15, 27); None stays None."""
+    from jspec.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--feature-layers must be comma-separated layer indices, got {text!r}") from None
+    if not layers or len(set(layers)) != len(layers) or min(layers) < 0:
+        raise ConfigError(f"--feature-layers must be distinct layer indices >= 0, got {text!r}")
+    return layers
 
 
 def cmd_distill(args) -> int:
@@ -76,9 +121,12 @@ def cmd_distill(args) -> int:
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed)
-    dc = DistillConfig(arch=args.arch, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                       draft_vocab=args.draft_vocab, draft_layers=args.draft_layers, unroll=args.unroll, train=tc,
-                       gen_batch_size=args.gen_batch_size)
+    dc = DistillConfig(arch=args.arch, prompts=args.prompts, chat_prompts=args.chat_prompts,
+                       read_code_tokens=args.read_code_tokens, read_prose_tokens=args.read_prose_tokens,
+                       window=args.window, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
+                       draft_layers=args.draft_layers, ttt_depth=args.ttt_depth, feature_layers=args.feature_layers,
+                       train=tc, gen_batch_size=args.gen_batch_size, budget_minutes=args.budget_minutes,
+                       eval_k=args.eval_k)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise jspec.ConfigError(f"--out {out} is a file, not a directory")

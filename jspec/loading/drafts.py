@@ -11,7 +11,8 @@
 ``eagle`` (a feature-level head)::
 
     eagle.safetensors    ``head/...`` parameters and ``draft_vocab_ids``
-    card.json
+    card.json            ``config.feature_layers``: the target layers an EAGLE-3 head fuses
+                         (absent or empty: an EAGLE-1 head on the target's final hidden state)
 
 The card records what the draft is and whom it drafts for::
 
@@ -256,6 +257,27 @@ def save_eagle(out: Path, head_params, vocab_ids, card: dict) -> None:
 
 def load_eagle(name_or_path: str, target) -> dict:
     """Drafter params ``{"head", "lm_head", "vocab_ids"}`` of an EAGLE checkpoint for ``target``."""
+    return read_eagle(name_or_path, target)[0]
+
+
+def eagle_feature_layers(card: dict, target, source: Path) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads (``config.feature_layers``), checked against the
+    target: distinct layer indices below its layer count; () for an EAGLE-1 head."""
+    layers = (card.get("config") or {}).get("feature_layers") or []
+    n = target.config.num_layers
+    if (not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            or len(set(layers)) != len(layers)):
+        raise CheckpointError(f"{source}: config.feature_layers must be a list of distinct layer indices, "
+                              f"got {layers!r}")
+    if any(not 0 <= i < n for i in layers):
+        raise DraftMismatchError(f"{source}: config.feature_layers {layers} name layers outside the target's "
+                                 f"{n} (0..{n - 1})")
+    return tuple(layers)
+
+
+def read_eagle(name_or_path: str, target) -> tuple[dict, tuple[int, ...]]:
+    """(drafter params ``{"head", "lm_head", "vocab_ids"}``, the target layers the head reads)
+    of an EAGLE checkpoint for ``target``."""
     import jax.numpy as jnp
 
     from jspec.models.llama import output_embedding
@@ -267,16 +289,17 @@ def load_eagle(name_or_path: str, target) -> dict:
     if card is None:
         raise CheckpointError(f"{path}: no {CARD}")
     check_card(card, target, path, "eagle")
+    feature_layers = eagle_feature_layers(card, target, path)
     file = path / "eagle.safetensors"
     flat = load_tensors(file)
     if "draft_vocab_ids" not in flat:
         raise CheckpointError(f"{file}: missing tensor draft_vocab_ids")
     vocab_ids = jnp.asarray(check_vocab_ids(flat.pop("draft_vocab_ids"), target, card, file), jnp.int32)
-    head = _check_eagle_tensors(flat, target.config, file)
+    head = _check_eagle_tensors(flat, target.config, file, len(feature_layers))
     dtype = jnp.dtype(target.config.dtype)
     head = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), unflatten(head))
     lm_head = jnp.take(output_embedding(target.params, target.config), vocab_ids, axis=0)
-    return {"head": head, "lm_head": lm_head, "vocab_ids": vocab_ids}
+    return {"head": head, "lm_head": lm_head, "vocab_ids": vocab_ids}, feature_layers
 
 
 def _shapes(tree, prefix: str = "") -> dict[str, tuple]:
@@ -289,13 +312,14 @@ def _shapes(tree, prefix: str = "") -> dict[str, tuple]:
     return out
 
 
-def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path) -> dict[str, np.ndarray]:
-    """The ``head/...`` tensors of an EAGLE file, named and shaped as the target's config implies
-    (each one finite); returns them without the ``head/`` prefix."""
+def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path, num_features: int = 0
+                         ) -> dict[str, np.ndarray]:
+    """The ``head/...`` tensors of an EAGLE file, named and shaped as the target's config and the
+    card's feature layers imply (each one finite); returns them without the ``head/`` prefix."""
     from jspec.loading.convert import check_finite
     from jspec.models.eagle import init_eagle_params
 
-    want = _shapes(jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0))))
+    want = _shapes(jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0), num_features=num_features)))
     got = {k[len("head/"):]: v for k, v in flat.items() if k.startswith("head/")}
     extra = sorted(set(flat) - {f"head/{k}" for k in got})
     missing = sorted(set(want) - set(got))

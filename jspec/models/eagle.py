@@ -1,81 +1,189 @@
-"""An EAGLE-style draft head (Li et al., "EAGLE: Speculative Sampling Requires Rethinking
-Feature Uncertainty", ICML 2024, arXiv:2401.15077).
+"""EAGLE-style draft heads: EAGLE-1 (Li et al., "EAGLE: Speculative Sampling Requires
+Rethinking Feature Uncertainty", ICML 2024, arXiv:2401.15077) and the EAGLE-3 variant that
+fuses several target layers (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test", arXiv:2503.01840).
 
-The head drafts at the *feature* level. Feature f_t is the target's final hidden state at
-position t (after its final norm: the vector its LM head turns into the distribution of token
-t + 1). Head entry t takes the previous feature and the current token,
+The head drafts at the *feature* level. F_t is what the target hands the head for position t:
 
-    x_t = fc([embed(token_t), f_{t-1}])            fc: [2H] -> [H]
+- EAGLE-1 (``num_features`` = 0): the target's final hidden state after its final norm (the
+  vector its LM head turns into the distribution of token t + 1);
+- EAGLE-3 (``num_features`` = n): the residual stream after n chosen target layers (low, middle,
+  high), concatenated [n * H]. Each layer's part is RMS-normalised without parameters first
+  (SmolLM2's residual stream reaches 1e3 RMS at its attention-sink position and 1e4 in single
+  dimensions, against ~3-30 elsewhere), then ``fuse`` [n * H] -> [H] mixes them.
+
+Head entry t takes the current token and the previous position's feature,
+
+    g_{t-1} = fuse(F_{t-1})  (EAGLE-3)   or   F_{t-1}  (EAGLE-1)
+    x_t = fc([embed(token_t), g_{t-1}])            fc: [2H] -> [H]
     h_t = DecoderLayer(x_t; attention over entries <= t, its own one-layer paged cache)
-    f^_t = RMSNorm(h_t)                            ~ f_t
-    logits_t = f^_t @ E_draft^T                    E_draft: target embedding rows of the draft vocabulary
+    logits_t = RMSNorm(h_t) @ E_draft^T            E_draft: target embedding rows of the draft vocabulary
 
 reusing the target's (frozen) embedding for both the token input and the LM head. Drafting
-chains the head on its own predicted features; verification then hands back the target's
-true features, which replace the predicted ones in the head's cache.
+chains the head on its own output in place of g: RMSNorm(h_t) for EAGLE-1 (trained to regress
+F_t), h_t itself for EAGLE-3 (trained only through the tokens it leads to). Verification then
+hands back the target's true features, which replace the predicted ones in the head's cache.
+Unlike the published EAGLE-3 layer (whose attention reads [embed; hidden] of width 2H), the
+head keeps EAGLE-1's ``fc`` in front of a standard decoder layer, so the target's last layer
+can warm-start it.
 
-Parameters: ``fc/{kernel,bias}``, ``layer/...`` (a Llama decoder layer with the target's
-dimensions), ``norm/scale``.
+:func:`eagle_ttt_forward` is the *training-time test*: the head run ``depth`` times over whole
+sequences, pass j continuing, at every position t, the chain that drafting would have started
+from the true entry t - j, with the attention each chained entry has when drafting (true
+entries <= t - j, then the chain's own entries). Positions 2..k are trained as they are used.
+
+Parameters: ``fuse/kernel`` (EAGLE-3 only), ``fc/{kernel,bias}``, ``layer/...`` (a Llama decoder
+layer with the target's dimensions), ``norm/scale``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jspec import attention as attention_lib
-from jspec.cache.paged import PagedKVCache
+from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
-from jspec.models.llama import DecoderLayer, RMSNorm, Segment, segment_meta
+from jspec.models.llama import DecoderLayer, DenseContext, RMSNorm, Segment, segment_meta
+
+
+class HeadOutput(NamedTuple):
+    normed: jax.Array  # [B, T, H]: RMSNorm(h), what the draft-vocabulary LM head reads
+    chained: jax.Array  # [B, T, H]: what the next chained entry takes in place of g
+    context: object  # the new one-layer cache, or (k, v) [B, T, KVH, D] of a dense pass
+
+
+def rms_parts(features: jax.Array, parts: int, eps: float = 1e-6) -> jax.Array:
+    """Each of the ``parts`` equal pieces of the last axis scaled to unit RMS (float32 inside)."""
+    x = features.astype(jnp.float32).reshape(*features.shape[:-1], parts, -1)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x.reshape(features.shape).astype(features.dtype)
 
 
 class EagleHead(nn.Module):
     config: ModelConfig  # the target's
     attention: str = "reference"
+    num_features: int = 0  # 0: EAGLE-1; n: EAGLE-3 fusion of n target layers
 
     @nn.compact
-    def __call__(self, embeds, prev_features, cache: PagedKVCache, q_lens, rows=None):
-        """embeds, prev_features [B, T, H] -> (predicted features [B, T, H], cache); ``rows``
-        [B] picks the cache rows (None: all, in order)."""
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+        """embeds [B, T, H]; ``prev`` [B, T, n * H] the target's features F_{t-1} (``fused`` False)
+        or [B, T, H] the head's own chained outputs (``fused`` True; EAGLE-1 takes [B, T, H] either
+        way). ``context``: the head's paged cache (``q_lens`` rows each, ``rows`` picks the cache
+        rows, None: all) or a :class:`~jspec.models.llama.DenseContext`."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        t = embeds.shape[1]
+        b, t = embeds.shape[:2]
+        if self.num_features and not fused:
+            prev = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fuse")(
+                rms_parts(prev.astype(embeds.dtype), self.num_features))
         x = nn.Dense(cfg.hidden_size, dtype=dtype, param_dtype=dtype, name="fc")(
-            jnp.concatenate([embeds, prev_features.astype(embeds.dtype)], axis=-1))
-        b = embeds.shape[0]
-        meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), cache)
-        x, k, v = DecoderLayer(cfg, self.attention, name="layer")(
-            x.reshape(b * t, -1), (meta,), cache.k_pages[0], cache.v_pages[0])
-        feats = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x).reshape(b, t, -1)
-        lengths = cache.lengths + q_lens if rows is None else cache.lengths.at[rows].add(q_lens, mode="drop")
-        return feats, cache.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+            jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1))
+        layer = DecoderLayer(cfg, self.attention, name="layer")
+        if isinstance(context, DenseContext):
+            x, k, v = layer(x.reshape(b * t, -1), context, None, None)
+            new_context = (k, v)
+        else:
+            meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), context)
+            x, k, v = layer(x.reshape(b * t, -1), (meta,), context.k_pages[0], context.v_pages[0])
+            lengths = (context.lengths + q_lens if rows is None
+                       else context.lengths.at[rows].add(q_lens, mode="drop"))
+            new_context = context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+        h = x.reshape(b, t, -1)
+        normed = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(h)
+        return HeadOutput(normed, h if self.num_features else normed, new_context)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(config: ModelConfig, attention: str) -> EagleHead:
-    return EagleHead(config, attention_lib.resolve(attention))
+def _module(config: ModelConfig, attention: str, num_features: int = 0) -> EagleHead:
+    return EagleHead(config, attention_lib.resolve(attention), num_features)
 
 
-def eagle_forward(head_params, config: ModelConfig, embeds, prev_features, cache: PagedKVCache, q_lens,
-                  attention: str = "reference", rows=None):
-    """Pure head forward; returns (predicted features [B, T, H], new one-layer cache)."""
+def num_features_of(head_params) -> int:
+    """How many target layers a head's parameters fuse (0: an EAGLE-1 head)."""
+    fuse = head_params.get("fuse")
+    if fuse is None:
+        return 0
+    kernel = fuse["kernel"]
+    return kernel.shape[0] // kernel.shape[1]
+
+
+def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKVCache, q_lens,
+                  attention: str = "reference", rows=None, fused: bool = False) -> HeadOutput:
+    """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`)."""
     with jax.named_scope("eagle_head"):
-        return _module(config, attention).apply({"params": head_params}, embeds, prev_features, cache, q_lens,
-                                                rows)
+        return _module(config, attention, num_features_of(head_params)).apply(
+            {"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
 
 
-def init_eagle_params(config: ModelConfig, key: jax.Array, target_params=None):
-    """Random head parameters; with ``target_params`` the decoder layer starts as the target's
-    last layer and the norm as its final norm (a warm start used by training)."""
-    from jspec.cache.paged import init_cache
+def _ttt_attend(config: ModelConfig, earlier, depth: int):
+    """The attention of pass ``depth`` of the training-time test: the query at position t sees
+    the true entries (pass 0) at positions <= t - depth and the entry of pass i at position
+    t - depth + i for i = 1..depth (the chain so far; pass ``depth``'s own key is itself).
+    ``earlier``: the (k, v) [B, T, KVH, D] of passes 0..depth - 1. Padding past a sequence's
+    length needs no mask: causality keeps it from every real query."""
+    g = config.num_heads // config.num_kv_heads
+    scale = config.head_dim ** -0.5
 
+    def attend(q, k, v):
+        b, t, hq, d = q.shape
+        qg = q.reshape(b, t, config.num_kv_heads, g, d).astype(jnp.float32) * scale
+        k0, v0 = earlier[0] if depth else (k, v)
+        pos = jnp.arange(t)
+        see = pos[None, :] <= pos[:, None] - depth  # [T, S]
+        s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0.astype(jnp.float32))
+        s0 = jnp.where(see, s0, -jnp.inf)
+        chain_k = [kv[0] for kv in earlier[1:]] + ([k] if depth else [])
+        chain_v = [kv[1] for kv in earlier[1:]] + ([v] if depth else [])
+        # pass i's entry at t - (depth - i): its keys shifted right by depth - i positions
+        shift = lambda x, n: jnp.pad(x, ((0, 0), (n, 0), (0, 0), (0, 0)))[:, :t]  # noqa: E731
+        ck = [shift(x, depth - 1 - j) for j, x in enumerate(chain_k)]
+        cv = [shift(x, depth - 1 - j) for j, x in enumerate(chain_v)]
+        sc = [jnp.einsum("btkgd,btkd->bkgt", qg, x.astype(jnp.float32))[..., None] for x in ck]
+        p = jax.nn.softmax(jnp.concatenate([s0] + sc, axis=-1), axis=-1)  # [B, KVH, G, T, T + depth]
+        out = jnp.einsum("bkgts,bskd->btkgd", p[..., :t], v0.astype(jnp.float32))
+        for j, x in enumerate(cv):
+            out = out + jnp.einsum("bkgt,btkd->btkgd", p[..., t + j], x.astype(jnp.float32))
+        return out.reshape(b, t, hq, d).astype(q.dtype)
+
+    return attend
+
+
+def eagle_ttt_forward(head_params, config: ModelConfig, embeds, prev_features, depth: int) -> list[jax.Array]:
+    """The training-time test over whole sequences: ``embeds`` [B, T, H] of tokens 0..T-1,
+    ``prev_features`` [B, T, F] the target's F_{t-1} for each position t (row 0: zeros).
+    Returns ``depth`` arrays [B, T, H] (RMSNorm(h), the LM head's input): pass j
+    at position t is the head's entry t in the chain started from the true entry t - j, i.e. its
+    prediction of the target's token after t given tokens <= t and true features < t - j + 1.
+    Valid where t - j >= 1 (and t below the sequence's length)."""
+    module = _module(config, "reference", num_features_of(head_params))
+    b, t = embeds.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    zeros = jnp.zeros((b, 1, config.hidden_size), embeds.dtype)
+    out, kvs, prev, fused = [], [], prev_features, False
+    for j in range(depth):
+        ctx = DenseContext(positions, _ttt_attend(config, kvs, j))
+        r = module.apply({"params": head_params}, embeds, prev, ctx, fused=fused)
+        out.append(r.normed)
+        kvs.append(r.context)
+        # pass j + 1 at position t continues pass j's chain from position t - 1
+        prev, fused = jnp.concatenate([zeros, r.chained[:, :-1].astype(embeds.dtype)], axis=1), True
+    return out
+
+
+def init_eagle_params(config: ModelConfig, key: jax.Array, target_params=None, num_features: int = 0):
+    """Random head parameters (``num_features`` > 0: an EAGLE-3 head fusing that many target
+    layers); with ``target_params`` the decoder layer starts as the target's last layer and the
+    norm as its final norm (a warm start used by training)."""
     cache = init_cache(1, config.num_kv_heads, config.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16,
                        jnp.dtype(config.dtype))
     x = jnp.zeros((1, 1, config.hidden_size), jnp.dtype(config.dtype))
-    params = _module(config, "reference").init(key, x, x, cache, jnp.ones((1,), jnp.int32))["params"]
+    f = jnp.zeros((1, 1, config.hidden_size * max(num_features, 1)), jnp.dtype(config.dtype))
+    params = _module(config, "reference", num_features).init(key, x, f, cache, jnp.ones((1,), jnp.int32))["params"]
     if target_params is not None:
         params = dict(params)
         params["layer"] = jax.tree_util.tree_map(jnp.array, target_params[f"layers_{config.num_layers - 1}"])

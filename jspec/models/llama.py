@@ -10,6 +10,10 @@ matmuls: decode on a CPU is bound by reading weights and by per-op overhead).
     forward(params, config, tokens [B, T], cache, q_lens [B])
         -> logits [B, T, V] (or None), hidden [B, T, H] (after the final norm), new cache
 
+``feature_layers`` (a tuple of layer indices) makes ``hidden`` the residual stream after those
+decoder layers instead, concatenated [B, T, len * H]: the low/middle/high features an EAGLE-3
+head fuses (:mod:`jspec.models.eagle`). The logits are the same either way.
+
 Row t of sequence b sits at position ``cache.lengths[b] + t``; rows ``t < q_lens[b]`` have
 their K/V written into the cache before attention, and the returned cache's lengths are
 ``cache.lengths + q_lens``. ``num_layers`` < config.num_layers runs only the first layers
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -106,6 +110,17 @@ class _Meta(NamedTuple):  # per segment, derived from the cache before the forwa
     block_tables: jax.Array  # int32 [Bs, max_pages_per_seq]
     start: jax.Array  # int32 [Bs]: cache length before the forward
     q_lens: jax.Array  # int32 [Bs]
+
+
+class DenseContext(NamedTuple):
+    """Attention without pages, for training: a layer called with a DenseContext instead of
+    segment metadata projects and rotates Q/K/V of rows [B, T] at ``positions`` as always, then
+    ``attend(q [B, T, Hq, D], k [B, T, KVH, D], v) -> [B, T, Hq, D]`` decides what each query
+    sees (any mask, keys of earlier passes included), and the layer returns (x, k, v) in place of
+    the pages. The EAGLE head's training-time test runs its layer this way."""
+
+    positions: jax.Array  # int32 [B, T]
+    attend: Callable
 
 
 def segment_meta(seg: Segment, cache: PagedKVCache) -> _Meta:
@@ -228,14 +243,21 @@ class Attention(nn.Module):
                      name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
         inv_freq = rope_inv_freq(cfg)
         q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
-        qs, ks, vs = [], [], []
-        for m, part in zip(metas, _split(qkv, metas)):
-            part = part.reshape(*m.shape, tp, q_cols + 2 * kv_cols)
+
+        def qkv_of(part, shape, positions):  # [..., columns] -> rotated q, k and v [*shape, heads, D]
+            part = part.reshape(*shape, tp, q_cols + 2 * kv_cols)
             q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
-            qs.append(apply_rope(q.reshape(*m.shape, cfg.num_heads, cfg.head_dim), m.positions, inv_freq))
-            ks.append(apply_rope(k.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim), m.positions, inv_freq))
-            vs.append(v.reshape(*m.shape, cfg.num_kv_heads, cfg.head_dim))
-        outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, qs, ks, vs, k_pages, v_pages)
+            return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq),
+                    apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq),
+                    v.reshape(*shape, cfg.num_kv_heads, cfg.head_dim))
+
+        if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
+            q, k, v = qkv_of(qkv, metas.positions.shape, metas.positions)
+            o = metas.attend(q, k, v).reshape(-1, cfg.q_size)
+            return Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o), k, v
+        qs, ks, vs = zip(*[qkv_of(part, m.shape, m.positions) for m, part in zip(metas, _split(qkv, metas))])
+        outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, list(qs), list(ks), list(vs),
+                                                   k_pages, v_pages)
         outs = [o.reshape(-1, cfg.q_size) for o in outs]
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o)
@@ -262,7 +284,7 @@ class DecoderLayer(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]
+    def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]; metas: per-segment metadata, or a DenseContext
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         h, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
@@ -297,17 +319,22 @@ class LlamaForCausalLM(nn.Module):
         return logits.astype(jnp.float32)
 
     def __call__(self, segments: tuple[Segment, ...], cache: PagedKVCache, num_layers: Optional[int] = None,
-                 logits_for: tuple[bool, ...] = (True,)):
+                 logits_for: tuple[bool, ...] = (True,), feature_layers: tuple[int, ...] = ()):
         n = self.config.num_layers if num_layers is None else num_layers
         metas = [segment_meta(s, cache) for s in segments]
         x = jnp.concatenate([self.embed(s.tokens).reshape(-1, self.config.hidden_size) for s in segments], 0) \
             if len(segments) > 1 else self.embed(segments[0].tokens).reshape(-1, self.config.hidden_size)
         k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+        taken = {}
         for i in range(n):
             with jax.named_scope(f"layer_{i}"):
                 x, k_all[i], v_all[i] = self.layers[i](x, metas, k_all[i], v_all[i])
+            if i in feature_layers:
+                taken[i] = x
         hidden = _split(self.norm(x), metas)
         logits = [self.head(h) if want else None for h, want in zip(hidden, logits_for)]
+        if feature_layers:  # [M, len * H] in the order asked for
+            hidden = _split(jnp.concatenate([taken[i] for i in feature_layers], axis=-1), metas)
         lengths = cache.lengths
         for s, m in zip(segments, metas):
             lengths = lengths + m.q_lens if s.rows is None else lengths.at[s.rows].add(m.q_lens, mode="drop")
@@ -317,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
 
 class ForwardOutput(NamedTuple):
     logits: Optional[jax.Array]  # float32 [B, T, V]
-    hidden: jax.Array  # [B, T, H], after the final norm
+    hidden: jax.Array  # [B, T, H], after the final norm (or [B, T, len * H]: the feature layers)
     cache: PagedKVCache
 
 
@@ -328,23 +355,29 @@ def _module(config: ModelConfig, attention: str) -> LlamaForCausalLM:
 
 def forward(params, config: ModelConfig, tokens, cache: PagedKVCache, q_lens, *,
             attention: str = "auto", num_layers: Optional[int] = None,
-            compute_logits: bool = True) -> ForwardOutput:
+            compute_logits: bool = True, feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
     """Run the model over ``tokens`` [B, T] on top of ``cache`` (every row; pure, jit it)."""
     logits, hidden, cache = forward_segments(params, config, (Segment(tokens, q_lens),), cache,
                                              attention=attention, num_layers=num_layers,
-                                             logits_for=(compute_logits,))
+                                             logits_for=(compute_logits,), feature_layers=feature_layers)
     return ForwardOutput(logits[0], hidden[0], cache)
 
 
 def forward_segments(params, config: ModelConfig, segments: tuple[Segment, ...], cache: PagedKVCache, *,
                      attention: str = "auto", num_layers: Optional[int] = None,
-                     logits_for: Optional[tuple[bool, ...]] = None):
+                     logits_for: Optional[tuple[bool, ...]] = None, feature_layers: tuple[int, ...] = ()):
     """Run the model over several segments at once (see :class:`Segment`); returns (logits per
-    segment, float32 [Bs, Ts, V] or None where ``logits_for`` is False; final hidden states per
-    segment [Bs, Ts, H]; the new cache)."""
+    segment, float32 [Bs, Ts, V] or None where ``logits_for`` is False; per segment the final
+    hidden states [Bs, Ts, H], or with ``feature_layers`` the residual stream after those layers
+    [Bs, Ts, len * H]; the new cache)."""
     logits_for = tuple(logits_for) if logits_for is not None else (True,) * len(segments)
+    feature_layers = tuple(feature_layers)
+    n = config.num_layers if num_layers is None else num_layers
+    if any(not 0 <= i < n for i in feature_layers) or len(set(feature_layers)) != len(feature_layers):
+        raise ValueError(f"feature_layers {feature_layers} must be distinct layers of the {n} that run")
     with jax.named_scope("model_forward"):
-        return _module(config, attention).apply({"params": params}, tuple(segments), cache, num_layers, logits_for)
+        return _module(config, attention).apply({"params": params}, tuple(segments), cache, num_layers, logits_for,
+                                                feature_layers)
 
 
 def output_embedding(params, config: ModelConfig) -> jax.Array:

@@ -25,6 +25,7 @@ from jspec.config import ModelConfig
 from jspec.models.llama import Segment, forward_segments
 from jspec.speculative.acceptance import greedy_accept, rejection_sample
 from jspec.speculative.control import cond_in_place
+from jspec.speculative.drafters.base import feature_layers
 from jspec.speculative.state import DecodeState, commit, last_tokens, step_keys
 
 SALT_ACCEPT = 1  # step_keys salt of the token draws (drafters use other salts)
@@ -49,16 +50,18 @@ def sample_next(state: DecodeState, logits: jax.Array) -> jax.Array:
 
 
 def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeState, cache,
-                     prefill: Optional[Segment] = None, num_rows: int = 1):
+                     prefill: Optional[Segment] = None, num_rows: int = 1, features: tuple[int, ...] = ()):
     """One target forward over the last token of every running slot (and ``prefill``).
 
-    Returns (cache, hidden [B, num_rows, H] (row 0 real, the rest zero padding), next token
-    [B], the prefill chunk's hidden states or None).
+    Returns (cache, hidden [B, num_rows, F] (row 0 real, the rest zero padding), next token
+    [B], the prefill chunk's hidden states or None); hidden means the target's ``features``
+    (see :func:`~jspec.models.llama.forward_segments`), by default its final hidden states.
     """
     q_lens = (~state.done).astype(jnp.int32)
     segments = (Segment(last_tokens(state), q_lens),) + ((prefill,) if prefill is not None else ())
     logits, hidden, cache = forward_segments(params, config, segments, cache, attention=attention,
-                                             logits_for=(True,) + (False,) * (len(segments) - 1))
+                                             logits_for=(True,) + (False,) * (len(segments) - 1),
+                                             feature_layers=features)
     nxt = sample_next(state, logits[0][:, 0])
     h = jnp.pad(hidden[0], ((0, 0), (0, num_rows - 1), (0, 0)))
     return cache, h, nxt, (hidden[1] if prefill is not None else None)
@@ -92,7 +95,7 @@ class PlainStep:
     def __call__(self, params, drafter_params, state: DecodeState, prefill: Optional[Segment] = None) -> DecodeState:
         running = ~state.done
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, state.cache,
-                                                          prefill)
+                                                          prefill, features=feature_layers(self.drafter))
         new = state.replace(cache=cache, steps=state.steps + 1, num_steps=state.num_steps + running)
         new = commit(new, nxt[:, None], running.astype(jnp.int32), self.eos_ids)
         if self.drafter is not None:
@@ -168,7 +171,8 @@ class SpecStep:
             segments = (Segment(inp, q_lens),) + ((prefill,) if prefill is not None else ())
             logits, hidden, cache = forward_segments(params, self.config, segments, cache,
                                                      attention=self.attention,
-                                                     logits_for=(True,) + (False,) * (len(segments) - 1))
+                                                     logits_for=(True,) + (False,) * (len(segments) - 1),
+                                                     feature_layers=feature_layers(self.drafter))
             logits = logits[0]  # [B, k + 1, V]
         with jax.named_scope("accept"):
             rs = state.sampling
@@ -190,7 +194,8 @@ class SpecStep:
     def _plain(self, params, state: DecodeState, prefill, cache):
         """No drafts anywhere: one token from the target, as plain decoding would do."""
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, cache,
-                                                          prefill, num_rows=self.drafter.k + 1)
+                                                          prefill, num_rows=self.drafter.k + 1,
+                                                          features=feature_layers(self.drafter))
         return cache, (hidden, jnp.zeros_like(nxt), nxt, pre_hidden)
 
 

@@ -1,10 +1,22 @@
-"""Training data for drafts: prompts that are not the benchmark's, the target's own greedy
-continuations of them, and the target's features and choices along each sequence.
+"""Training data for drafts: text that is not the benchmark's, and the target's view of it.
 
-Prompts come from the Python standard library on this machine: each is a function signature
-plus its docstring, the shape of a HumanEval prompt, but none of HumanEval's 164 problems (the
-benchmark's prompts stay held out). The target then writes the continuation, so the draft
-learns what *this* target produces, which is what speculative decoding must predict.
+Two kinds of sequence, both never HumanEval nor a benchmark prompt:
+
+- **generated**: a prompt and the target's own greedy continuation of it (through the serving
+  engine), so the draft learns what *this* target writes. Prompts: function signatures with
+  their docstrings from the Python standard library (raw, the shape of a HumanEval prompt), and
+  chat-template requests built from the standard library (write this function; explain this
+  module or topic), since users run ``--chat``;
+- **read** (teacher-forced): windows of existing text the target only reads, in one forward
+  pass per batch, at prefill speed: standard-library source code, and prose from Python's own
+  documentation (``pydoc_data.topics``, the text of ``help()``) and long docstrings. The
+  target's greedy choice at each position is still the label, so the draft learns to predict
+  the target on text it did not write (EAGLE-1 trained on fixed ShareGPT text this way).
+
+For each sequence the target's features (its final hidden states, and for EAGLE-3 heads the
+residual stream after chosen layers) and its greedy choice at every position are stored, as
+float16 (features) and int32. ``prompt_lengths`` marks where generation started: a read window's
+prompt length is its length (nothing in it is the target's own).
 """
 
 from __future__ import annotations
@@ -15,28 +27,34 @@ import hashlib
 import random
 import sysconfig
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.cache.paged import init_cache
-from jspec.models.llama import forward, output_embedding
+from jspec.engine.engine import encode_prompt
+from jspec.loading.drafts import load_tensors, save_tensors
+from jspec.models.llama import RMSNorm, forward, output_embedding
+from jspec.train.objectives import fresh_cache
 
 
-def stdlib_prompts(count: int, seed: int = 0, min_doc_chars: int = 60, max_chars: int = 1500) -> list[str]:
-    """``count`` prompts ``def name(args):\\n    \"\"\"docstring\"\"\"\\n`` from the standard library."""
+def _stdlib_files() -> Iterator[tuple[Path, str, ast.Module]]:
+    """(path, source, tree) of the standard library's modules, tests and IDLE left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts or path.name.startswith("test"):
+        if "test" in path.parts or path.name.startswith("test") or "idlelib" in path.parts:
             continue
         try:
             src = path.read_text(encoding="utf-8")
-            tree = ast.parse(src)
+            yield path, src, ast.parse(src)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
+
+
+def _documented_functions(min_doc_chars: int = 60) -> Iterator[tuple[str, str, str]]:
+    """(signature + docstring text, function name, docstring) of public stdlib functions."""
+    for _, src, tree in _stdlib_files():
         lines = src.splitlines()
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
@@ -47,45 +65,151 @@ def stdlib_prompts(count: int, seed: int = 0, min_doc_chars: int = 60, max_chars
             first = node.body[0]
             text = "\n".join(lines[node.lineno - 1:first.end_lineno])
             indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
-            text = "\n".join(line[indent:] for line in text.splitlines()) + "\n"
-            if len(text) <= max_chars:
-                found.append(text)
+            yield "\n".join(line[indent:] for line in text.splitlines()) + "\n", node.name, doc
+
+
+def stdlib_prompts(count: int, seed: int = 0, min_doc_chars: int = 60, max_chars: int = 1500) -> list[str]:
+    """``count`` prompts ``def name(args):\\n    \"\"\"docstring\"\"\"\\n`` from the standard library."""
+    found = [text for text, _, _ in _documented_functions(min_doc_chars) if len(text) <= max_chars]
     random.Random(seed).shuffle(found)
     return found[:count]
 
 
+def chat_requests(count: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
+    """``count`` user messages for the chat template, half code and half prose: "write this
+    function" from a stdlib docstring, "explain" a stdlib module (its docstring's subject) or
+    a topic of Python's ``help()``."""
+    rng = random.Random(seed)
+    code = [f"Write a Python function `{name}` that does the following.\n\n{doc}"
+            for _, name, doc in _documented_functions(80) if len(doc) <= max_chars]
+    prose = []
+    for path, _, tree in _stdlib_files():
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) >= 40:
+            name = path.stem if path.name != "__init__.py" else path.parent.name
+            first = doc.strip().splitlines()[0]
+            prose.append(rng.choice([f"What is the Python module `{name}` for? Its summary: {first}",
+                                     f"Explain what `{name}` in Python's standard library does, with an example.",
+                                     f"Summarize in a few sentences: {first}"]))
+    from pydoc_data.topics import topics
+
+    prose += [f"Explain the Python topic '{t}' in plain words." for t in sorted(topics)]
+    rng.shuffle(code)
+    rng.shuffle(prose)
+    half = count // 2
+    out = code[:count - min(half, len(prose))] + prose[:half]
+    rng.shuffle(out)
+    return out[:count]
+
+
+def code_documents(seed: int = 0) -> list[str]:
+    """Whole standard-library source files (tests and IDLE left out), shuffled."""
+    docs = [src for _, src, _ in _stdlib_files() if len(src) >= 200]
+    random.Random(seed).shuffle(docs)
+    return docs
+
+
+def prose_documents(seed: int = 0, min_chars: int = 300) -> list[str]:
+    """English prose that ships with Python: the topics of ``help()`` (``pydoc_data.topics``, the
+    language reference's text), module docstrings and long function/class docstrings."""
+    from pydoc_data.topics import topics
+
+    docs = [text for _, text in sorted(topics.items()) if len(text) >= min_chars]
+    for _, _, tree in _stdlib_files():
+        for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]:
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= min_chars:
+                docs.append(doc)
+    random.Random(seed).shuffle(docs)
+    return docs
+
+
+def read_windows(tokenizer, docs: list[str], width: int, max_tokens: int, min_tokens: int = 32) -> list[list[int]]:
+    """Consecutive windows of at most ``width`` tokens cut from ``docs`` (in order; never across
+    two documents; pieces under ``min_tokens`` dropped) until ``max_tokens`` tokens are taken."""
+    out, total = [], 0
+    for doc in docs:
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), width):
+            piece = ids[start:start + width]
+            if len(piece) < min_tokens:
+                continue
+            piece = piece[:max_tokens - total]
+            out.append(piece)
+            total += len(piece)
+            if total >= max_tokens:
+                return out
+    return out
+
+
 @dataclasses.dataclass
 class DraftData:
-    """Sequences (prompt + the target's continuation) and the target's view of them."""
+    """Sequences (prompt + the target's continuation, or a read window) and the target's view."""
 
     tokens: np.ndarray  # int32 [N, L]
     lengths: np.ndarray  # int32 [N]
-    prompt_lengths: np.ndarray  # int32 [N]
-    features: Optional[np.ndarray] = None  # float32 [N, L, H]: target final hidden states
-    argmax: Optional[np.ndarray] = None  # int32 [N, L]: target's greedy next token after position t
+    prompt_lengths: np.ndarray  # int32 [N]: generation started here (== lengths: a read window)
+    features: Optional[np.ndarray] = None  # float16 [N, L, H]: the target's final hidden states
+    argmax: Optional[np.ndarray] = None  # int32 [N, L]: the target's greedy next token after position t
+    layer_features: Optional[np.ndarray] = None  # float16 [N, L, len(feature_layers) * H]
+    feature_layers: tuple[int, ...] = ()  # the target layers of layer_features
+    sources: Optional[np.ndarray] = None  # int8 [N]: each sequence's entry in mix["sources"]
+    mix: Optional[dict] = None  # what the sequences are: their sources, counts and the data's speed
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self.tokens.tobytes() + self.lengths.tobytes()).hexdigest()[:16]
 
     def save(self, path: Path) -> None:
-        from jspec.loading.drafts import save_tensors
+        import json
 
         t = {"tokens": self.tokens, "lengths": self.lengths, "prompt_lengths": self.prompt_lengths}
         if self.features is not None:
             t.update(features=self.features, argmax=self.argmax)
-        save_tensors(path, t)
+        if self.layer_features is not None:
+            t["layer_features"] = self.layer_features
+        if self.sources is not None:
+            t["sources"] = self.sources
+        meta = {"feature_layers": json.dumps(list(self.feature_layers)), "mix": json.dumps(self.mix)}
+        save_tensors(path, t, meta)
 
     @classmethod
     def load(cls, path: Path) -> "DraftData":
-        from jspec.loading.drafts import load_tensors
+        import json
+
+        from safetensors import safe_open
 
         t = load_tensors(path)
-        return cls(t["tokens"], t["lengths"], t["prompt_lengths"], t.get("features"), t.get("argmax"))
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+        return cls(t["tokens"], t["lengths"], t["prompt_lengths"], t.get("features"), t.get("argmax"),
+                   t.get("layer_features"), tuple(json.loads(meta.get("feature_layers", "[]"))),
+                   t.get("sources"), json.loads(meta.get("mix", "null")))
+
+    @property
+    def generated(self) -> np.ndarray:
+        """bool [N]: sequences that hold a continuation the target wrote."""
+        return self.prompt_lengths < self.lengths
 
 
-def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
-                       progress: Optional[Callable[[int], None]] = None, static: bool = False) -> DraftData:
-    """Greedy continuations of ``prompts`` by the target (EOS respected).
+def from_sequences(seqs: list[list[int]], prompt_lengths: list[int]) -> DraftData:
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+    return DraftData(tokens, np.asarray([len(s) for s in seqs], np.int32), np.asarray(prompt_lengths, np.int32))
+
+
+def concat(parts: list[DraftData]) -> DraftData:
+    """One DraftData of several (tokens only; features are added afterwards)."""
+    seqs = [list(p.tokens[i, :p.lengths[i]]) for p in parts for i in range(len(p.lengths))]
+    return from_sequences(seqs, [int(x) for p in parts for x in p.prompt_lengths])
+
+
+def generate_sequences(target, prompts: list, max_new_tokens: int, batch_size: int = 16,
+                       progress: Optional[Callable[[int], None]] = None, static: bool = False,
+                       chat: bool = False) -> DraftData:
+    """Greedy continuations of ``prompts`` (text, or token ids) by the target (EOS respected);
+    ``chat`` puts each text prompt in the target's chat template first.
 
     Through the serving engine: ``batch_size`` sequences decode together, and the moment one
     finishes its slot takes the next prompt (continuous batching: no sequence waits for the
@@ -97,7 +221,7 @@ def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_si
     from jspec.engine.engine import LLMEngine
     from jspec.engine.generate import generate
 
-    ids = [target.tokenizer(p)["input_ids"] for p in prompts]
+    ids = [encode_prompt(target.tokenizer, p, chat) for p in prompts]
     sp = SamplingParams(max_tokens=max_new_tokens)
     seqs: dict[int, list[int]] = {}
     if static:
@@ -121,45 +245,55 @@ def generate_sequences(target, prompts: list[str], max_new_tokens: int, batch_si
             if progress and done:
                 progress(done)
         seqs = {i: ids[i] + list(r.output_ids) for i, r in enumerate(reqs)}
-    width = max(len(s) for s in seqs.values())
-    tokens = np.zeros((len(ids), width), np.int32)
-    for i, s in seqs.items():
-        tokens[i, :len(s)] = s
-    return DraftData(tokens, np.asarray([len(seqs[i]) for i in range(len(ids))], np.int32),
-                     np.asarray([len(x) for x in ids], np.int32))
+    return from_sequences([seqs[i] for i in range(len(ids))], [len(x) for x in ids])
 
 
-def add_target_features(target, data: DraftData, batch_size: int = 8,
+def add_target_features(target, data: DraftData, batch_size: int = 8, feature_layers: tuple[int, ...] = (),
                         progress: Optional[Callable[[int], None]] = None) -> DraftData:
     """Run the target over every sequence once: its final hidden state and greedy choice at
-    each position (exactly what a verification pass computes there)."""
+    each position (exactly what a verification pass computes there), and with
+    ``feature_layers`` the residual stream after those layers (what an EAGLE-3 head reads).
+    Sequences run in batches of similar length, each padded to a multiple of 64 tokens."""
     cfg = target.config
     n, width = data.tokens.shape
-    page = 16
-    pages = -(-width // page)
+    h = cfg.hidden_size
+    rows = output_embedding(target.params, cfg)
+
+    feature_layers = tuple(feature_layers)
+    last = cfg.num_layers - 1
+    asked = feature_layers if last in feature_layers else feature_layers + (last,)
 
     @jax.jit
     def run(params, tokens, lengths):
-        b = tokens.shape[0]
-        tables = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-        cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, b * pages, page,
-                           jnp.dtype(cfg.dtype))
-        h = forward(params, cfg, tokens, cache, lengths, attention="reference", compute_logits=False).hidden
-        logits = jnp.einsum("bth,vh->btv", h, output_embedding(params, cfg))
-        return h.astype(jnp.float32), jnp.argmax(logits, -1).astype(jnp.int32)
+        b, t = tokens.shape
+        out = forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, b, t), lengths, attention="reference",
+                      compute_logits=False, feature_layers=asked)
+        feats = out.hidden.reshape(b, t, len(asked), h)
+        # the residual after the last layer, through the final norm: the final hidden state
+        final = RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype)).apply({"params": params["norm"]},
+                                                                      feats[:, :, asked.index(last)])
+        best = jnp.argmax(jnp.einsum("bth,vh->btv", final, rows), -1).astype(jnp.int32)
+        layered = feats[:, :, :len(feature_layers)].reshape(b, t, -1)
+        return final.astype(jnp.float16), layered.astype(jnp.float16), best
 
-    feats = np.zeros((n, width, cfg.hidden_size), np.float32)
+    final = np.zeros((n, width, h), np.float16)
+    layers = np.zeros((n, width, h * len(feature_layers)), np.float16) if feature_layers else None
     best = np.zeros((n, width), np.int32)
+    order = np.argsort(data.lengths, kind="stable")
     for s in range(0, n, batch_size):
-        tok = np.zeros((batch_size, width), np.int32)
+        idx = order[s:s + batch_size]
+        w = min(width, -(-int(data.lengths[idx].max()) // 64) * 64)
+        tok = np.zeros((batch_size, w), np.int32)
         lens = np.zeros((batch_size,), np.int32)
-        m = min(batch_size, n - s)
-        tok[:m], lens[:m] = data.tokens[s:s + m], data.lengths[s:s + m]
-        h, a = run(target.params, jnp.asarray(tok), jnp.asarray(lens))
-        feats[s:s + m], best[s:s + m] = np.asarray(h[:m]), np.asarray(a[:m])
+        tok[:len(idx)], lens[:len(idx)] = data.tokens[idx, :w], data.lengths[idx]
+        f, l, a = run(target.params, jnp.asarray(tok), jnp.asarray(lens))
+        final[idx, :w], best[idx, :w] = np.asarray(f[:len(idx)]), np.asarray(a[:len(idx)])
+        if layers is not None:
+            layers[idx, :w] = np.asarray(l[:len(idx)])
         if progress:
-            progress(m)
-    return dataclasses.replace(data, features=feats, argmax=best)
+            progress(len(idx))
+    return dataclasses.replace(data, features=final, argmax=best, layer_features=layers,
+                               feature_layers=tuple(feature_layers))
 
 
 def draft_vocabulary(data: DraftData, size: int, always: tuple[int, ...] = ()) -> np.ndarray:

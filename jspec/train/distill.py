@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -24,48 +25,146 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.errors import ConfigError
+from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
 from jspec.loading import drafts as ckpt
-from jspec.train.data import DraftData, add_target_features, draft_vocabulary, generate_sequences, stdlib_prompts
+from jspec.engine.engine import encode_prompt
+from jspec.train.data import (DraftData, add_target_features, chat_requests, code_documents, concat, draft_vocabulary,
+                              from_sequences, generate_sequences, prose_documents, read_windows, stdlib_prompts)
 from jspec.timing import describe_machine
 from jspec.train.trainer import TrainConfig, train
 
-ARCHS = ("small-llama", "eagle")
+ARCHS = ("small-llama", "eagle", "eagle3")
+VALIDATION_K = 4  # the early-stopping score of a head: held-out mean accepted length at this k
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers (vLLM's choice: 2, L / 2, L - 3), for small models
+    the distinct ones of those clipped to the model."""
+    picks = [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
+    return tuple(sorted(set(picks)))
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
     arch: str = "eagle"
-    prompts: int = 256
+    # the data mix (see jspec.train.data): sequences the target writes ...
+    prompts: int = 256  # standard-library signature + docstring prompts, raw, with continuations
+    chat_prompts: int = 0  # chat-template requests built from the standard library, with replies
+    # ... and text it only reads (teacher-forced windows), in tokens
+    read_code_tokens: int = 0  # standard-library source
+    read_prose_tokens: int = 0  # Python's help() topics and long docstrings
+    window: int = 384  # tokens per read window
     max_prompt_tokens: int = 256
     max_new_tokens: int = 128
     draft_vocab: int = 8192
     draft_layers: int = 2  # small-llama only
-    unroll: int = 2  # eagle only
+    ttt_depth: int = 2  # eagle heads: passes of the training-time test
+    feature_layers: Optional[tuple[int, ...]] = None  # eagle3: target layers fused (None: default_feature_layers)
     train: TrainConfig = TrainConfig()
     gen_batch_size: int = 16
     validation_fraction: float = 0.05  # sequences held out for early stopping
+    budget_minutes: Optional[float] = None  # data + training + held-out scoring fit in this (sets the steps)
+    eval_k: int = 8  # the card's held-out acceptance per position, up to this k
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ConfigError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.prompts < 1 or self.max_new_tokens < 1 or self.draft_vocab < 1 or self.draft_layers < 1:
-            raise ConfigError("prompts, max_new_tokens, draft_vocab and draft_layers must be >= 1")
+        if min(self.prompts, self.chat_prompts, self.read_code_tokens, self.read_prose_tokens) < 0:
+            raise ConfigError("prompts, chat prompts and read tokens must be >= 0")
+        if self.prompts + self.chat_prompts + self.read_code_tokens + self.read_prose_tokens < 1:
+            raise ConfigError("the data mix is empty: give prompts, chat prompts or read tokens")
+        if (self.max_new_tokens < 1 or self.draft_vocab < 1 or self.draft_layers < 1 or self.ttt_depth < 1
+                or self.window < 32 or self.eval_k < 1):
+            raise ConfigError("max_new_tokens, draft_vocab, draft_layers, ttt_depth and eval_k must be >= 1, "
+                              "window >= 32")
+        if self.budget_minutes is not None and not self.budget_minutes > 0:
+            raise ConfigError(f"budget_minutes must be > 0, got {self.budget_minutes}")
+        if self.feature_layers is not None and self.arch != "eagle3":
+            raise ConfigError("feature layers are for --arch eagle3")
+
+    @property
+    def head(self) -> bool:
+        return self.arch in ("eagle", "eagle3")
+
+    def layers_for(self, config) -> tuple[int, ...]:
+        """The target layers the draft reads (() for EAGLE-1 and the small Llama)."""
+        if self.arch != "eagle3":
+            return ()
+        layers = self.feature_layers if self.feature_layers is not None else default_feature_layers(config.num_layers)
+        if not layers or any(not 0 <= i < config.num_layers for i in layers) or len(set(layers)) != len(layers):
+            raise ConfigError(f"--feature-layers {list(layers)}: distinct layers of the target's "
+                              f"{config.num_layers} (0..{config.num_layers - 1})")
+        return tuple(layers)
+
+
+def _timed(fn):
+    t = time.time()
+    out = fn()
+    return out, time.time() - t
 
 
 def build_data(target, dc: DistillConfig, path: Path, reuse: bool, say=print) -> DraftData:
-    if reuse and path.exists():
-        say(f"reusing training data {path}")
-        return DraftData.load(path)
+    """The data mix of ``dc`` with the target's features; reused from ``path`` when asked (its
+    features recomputed if it holds other feature layers)."""
     from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
 
-    prompts = [p for p in stdlib_prompts(dc.prompts * 2, seed=dc.train.seed)
-               if len(target.tokenizer(p)["input_ids"]) <= dc.max_prompt_tokens][:dc.prompts]
-    with tqdm(total=len(prompts), desc="target continuations", unit="prompt", dynamic_ncols=True) as bar:
-        data = generate_sequences(target, prompts, dc.max_new_tokens, dc.gen_batch_size, bar.update)
-    with tqdm(total=len(prompts), desc="target features", unit="seq", dynamic_ncols=True) as bar:
-        data = add_target_features(target, data, progress=bar.update)
+    layers = dc.layers_for(target.config)
+    if reuse and path.exists():
+        say(f"reusing training data {path}")
+        data = DraftData.load(path)
+        if layers and set(layers) <= set(data.feature_layers):  # a subset of the layers held: slice
+            h = target.config.hidden_size
+            cols = np.concatenate([np.arange(h) + h * data.feature_layers.index(i) for i in layers])
+            if tuple(layers) != data.feature_layers:
+                data = dataclasses.replace(data, layer_features=data.layer_features[..., cols], feature_layers=layers)
+        elif layers and data.feature_layers != layers:
+            say(f"it holds features of layers {list(data.feature_layers)}, this run reads {list(layers)}: recomputing")
+            with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
+                data = dataclasses.replace(add_target_features(target, data, feature_layers=layers,
+                                                               progress=bar.update), mix=data.mix)
+            data.save(path)
+        return data
+    tok = target.tokenizer
+    parts, sources = [], []
+
+    def fits(prompt, chat):
+        return len(encode_prompt(tok, prompt, chat)) <= dc.max_prompt_tokens
+
+    gen_tokens, gen_s = 0, 0.0
+    for name, count, chat, pick in (
+            ("stdlib signature + docstring, raw, target continuation", dc.prompts, False, stdlib_prompts),
+            ("chat request from the stdlib (write this function / explain this module or topic), target reply",
+             dc.chat_prompts, True, chat_requests)):
+        if not count:
+            continue
+        prompts = [p for p in pick(count * 2, seed=dc.train.seed) if fits(p, chat)][:count]
+        with tqdm(total=len(prompts), desc="target continuations" + (" (chat)" if chat else ""), unit="prompt",
+                  dynamic_ncols=True) as bar:
+            part, sec = _timed(lambda: generate_sequences(target, prompts, dc.max_new_tokens, dc.gen_batch_size,
+                                                          bar.update, chat=chat))
+        new = int((part.lengths - part.prompt_lengths).sum())
+        gen_tokens, gen_s = gen_tokens + new, gen_s + sec
+        parts.append(part)
+        sources.append({"name": name, "sequences": len(prompts), "tokens": int(part.lengths.sum()),
+                        "target_tokens": new, "seconds": round(sec, 1)})
+    for name, count, docs in (("stdlib source code, read", dc.read_code_tokens, code_documents),
+                              ("Python help() topics and long docstrings (prose), read", dc.read_prose_tokens,
+                               prose_documents)):
+        if not count:
+            continue
+        windows = read_windows(tok, docs(dc.train.seed), dc.window, count)
+        if windows:
+            parts.append(from_sequences(windows, [len(w) for w in windows]))
+            sources.append({"name": name, "sequences": len(windows), "tokens": sum(map(len, windows))})
+    data = concat(parts)
+    data = dataclasses.replace(data, sources=np.concatenate([np.full(len(p.lengths), i, np.int8)
+                                                               for i, p in enumerate(parts)]))
+    with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
+        data, sec = _timed(lambda: add_target_features(target, data, feature_layers=layers, progress=bar.update))
+    mix = {"sources": sources, "target_pass_tokens_per_second": round(float(data.lengths.sum()) / sec, 1),
+           "generation_tokens_per_second": round(gen_tokens / gen_s, 1) if gen_s else None}
+    data = dataclasses.replace(data, mix=mix)
     data.save(path)
     return data
 
@@ -79,8 +178,12 @@ def split_validation(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
 
 def _batch(data: DraftData, labels: np.ndarray, idx: np.ndarray) -> dict:
     width = int(data.lengths[idx].max())
-    return {"tokens": jnp.asarray(data.tokens[idx, :width]), "lengths": jnp.asarray(data.lengths[idx]),
-            "features": jnp.asarray(data.features[idx, :width]), "labels": jnp.asarray(labels[idx, :width])}
+    b = {"tokens": jnp.asarray(data.tokens[idx, :width]), "lengths": jnp.asarray(data.lengths[idx]),
+         "prompt_lengths": jnp.asarray(data.prompt_lengths[idx]),
+         "features": jnp.asarray(data.features[idx, :width]), "labels": jnp.asarray(labels[idx, :width])}
+    if data.layer_features is not None:
+        b["layer_features"] = jnp.asarray(data.layer_features[idx, :width])
+    return b
 
 
 def draft_labels(data: DraftData, vocab_ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -119,11 +222,16 @@ def small_llama_init(target, num_layers: int):
 
 def init_params(target, dc: DistillConfig, init: str):
     """(draft config, trainable params, draft layers) of a shipped draft to continue from: an
-    EAGLE head, or a small Llama's decoder layers and final norm (its embedding and LM head are
-    the target's, restricted to the new run's draft vocabulary, so the vocabulary may change).
-    The checkpoint's card must name this target and the run's architecture."""
-    if dc.arch == "eagle":
-        return target.config, ckpt.load_eagle(init, target)["head"], None
+    EAGLE head reading the run's feature layers, or a small Llama's decoder layers and final norm
+    (its embedding and LM head are the target's, restricted to the new run's draft vocabulary, so
+    the vocabulary may change). The checkpoint's card must name this target and the run's
+    architecture."""
+    if dc.head:
+        params, layers = ckpt.read_eagle(init, target)
+        if layers != dc.layers_for(target.config):
+            raise DraftMismatchError(f"--init {init}: the head reads target layers {list(layers) or 'final'}, "
+                                     f"this run's (--arch {dc.arch}) {list(dc.layers_for(target.config)) or 'final'}")
+        return target.config, params["head"], None
     path = ckpt.resolve_draft_path(init)
     if path is None or not path.is_dir() or ckpt.read_card(path) is None:
         raise ConfigError(f"--init {init}: not a jspec draft checkpoint (a directory with a card)")
@@ -135,18 +243,74 @@ def init_params(target, dc: DistillConfig, init: str):
     return cfg, trainable, n
 
 
+def _batches_of(data: DraftData, labels, idx: np.ndarray, size: int) -> list[dict]:
+    return [_batch(data, labels, idx[i:i + size]) for i in range(0, len(idx), size)]
+
+
+def held_out_acceptance(target, head, frozen, vocab_ids, data: DraftData, labels, idx: np.ndarray, k: int,
+                        temperatures=(0.0, 0.7), batch_size: int = 4) -> dict:
+    """Acceptance per position of a k-token chain on the held-out sequences' target-written
+    continuations, per temperature and per data source (:func:`jspec.train.objectives.chain_acceptance`)."""
+    from jspec.train.objectives import chain_acceptance
+
+    rows = output_embedding(target.params, target.config)
+    frozen = dict(frozen, lm_full=rows, vocab_ids=jnp.asarray(vocab_ids))
+    out = {}
+    names = [s["name"] for s in (data.mix or {}).get("sources", [])]
+    groups = {"all": idx[data.generated[idx]]}
+    if data.sources is not None:
+        for i, name in enumerate(names):
+            sel = idx[data.generated[idx] & (data.sources[idx] == i)]
+            if len(sel):
+                groups[name] = sel
+    for temp in temperatures:
+        fn = jax.jit(chain_acceptance(target.config, k, temp))
+        key = f"T={temp:g}"
+        out[key] = {}
+        for name, sel in groups.items():
+            acc, starts = np.zeros(k), 0
+            for b in _batches_of(data, labels, sel, batch_size):
+                a, n = fn(head, frozen, b)
+                acc, starts = acc + np.asarray(a), starts + int(n)
+            if starts:
+                per = acc / starts
+                out[key][name] = {"chains": starts, "acceptance_per_position": [round(float(x), 4) for x in per],
+                                  "mean_accepted_length_by_k": {str(j + 1): round(1 + float(per[:j + 1].sum()), 3)
+                                                                for j in range(k)}}
+    return out
+
+
+def _steps_for_budget(dc: DistillConfig, started: float, loss, trainable, frozen, batch_fn, validate,
+                      say=print) -> int:
+    """Training steps that fit what is left of ``dc.budget_minutes``, from one step's and one
+    validation's measured time (less a reserve for the held-out scoring and the save)."""
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    batch, key = batch_fn(0), jax.random.key(0)
+    jax.block_until_ready(grad(trainable, frozen, batch, key))  # compile
+    _, step_s = _timed(lambda: [jax.block_until_ready(grad(trainable, frozen, batch_fn(i), key)) for i in range(3)])
+    step_s = step_s / 3 * 1.15  # the optimizer update and the host's batch building
+    val_s = _timed(lambda: validate(trainable))[1] if validate is not None else 0.0
+    left = dc.budget_minutes * 60 - (time.time() - started)
+    reserve = 60 + 4 * val_s + 60  # the training step's compile, held-out scoring, the save
+    steps = int((left - reserve) / (step_s + val_s / dc.train.checkpoint_every))
+    say(f"budget: {left / 60:.1f} min left, {step_s:.2f} s/step, {val_s:.1f} s/validation -> {max(steps, 1)} steps")
+    return max(steps, 1)
+
+
 def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool = False,
         eval_prompts: int = 10, init: Optional[str] = None, say=print) -> dict:
     """Train and save a draft; returns its card. ``init``: a draft checkpoint (name or path) of
     the same architecture to continue from instead of a fresh initialisation."""
     from jspec.models.eagle import init_eagle_params
-    from jspec.train.objectives import distill_loss, eagle_loss
+    from jspec.train.objectives import chain_acceptance, distill_loss, eagle_loss
 
     if target.tokenizer is None:
         raise ConfigError(f"{target_name}: distillation needs the target's tokenizer")
     state_dir = out / ".train"
     started = time.time()
+    layers = dc.layers_for(target.config)
     data = build_data(target, dc, state_dir / "data.safetensors", reuse=resume, say=say)
+    data_s = time.time() - started
     vocab_ids = draft_vocabulary(data, dc.draft_vocab, always=tuple(target.config.eos_token_ids))
     rows = output_embedding(target.params, target.config)
     frozen = {"embedding": target.params["embed_tokens"]["embedding"], "lm_head": jnp.take(rows, vocab_ids, axis=0)}
@@ -154,62 +318,107 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     labels = draft_labels(data, vocab_ids, target.config.vocab_size)
     batch_fn = make_batches(data, labels, dc.train.batch_size, dc.train.seed, pool=train_idx)
     meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
+    picks = None
     if init is not None:
-        draft_cfg, trainable, layers = init_params(target, dc, init)
-        loss = eagle_loss(target.config, unroll=dc.unroll) if dc.arch == "eagle" else distill_loss(draft_cfg)
-        picks = None
-        if layers is not None:
-            dc = dataclasses.replace(dc, draft_layers=layers)
+        draft_cfg, trainable, n = init_params(target, dc, init)
+        if n is not None:
+            dc = dataclasses.replace(dc, draft_layers=n)
         meta["init"] = str(init)
-    elif dc.arch == "eagle":
-        trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params)
-        loss = eagle_loss(target.config, unroll=dc.unroll)
-        draft_cfg, picks = target.config, None
+    elif dc.head:
+        trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params,
+                                      num_features=len(layers))
+        draft_cfg = target.config
     else:
         draft_cfg, trainable, picks = small_llama_init(target, dc.draft_layers)
-        loss = distill_loss(draft_cfg)
-    validate = None
-    if len(val_idx):
-        val_batches = [_batch(data, labels, val_idx[i:i + dc.train.batch_size])
-                       for i in range(0, len(val_idx), dc.train.batch_size)]
-        val_loss = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])
+    loss = (eagle_loss(target.config, depth=dc.ttt_depth) if dc.head else distill_loss(draft_cfg))
 
-        def validate(params):  # held-out top-1 agreement with the target: the early-stopping score
-            return float(np.mean([val_loss(params, b) for b in val_batches]))
+    validate, score_name = None, "top-1 agreement with the target"
+    if len(val_idx):
+        val_batches = _batches_of(data, labels, val_idx, dc.train.batch_size)
+        val_acc1 = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])
+        chains = _batches_of(data, labels, val_idx[data.generated[val_idx]], dc.train.batch_size)
+        chain = chain_acceptance(target.config, VALIDATION_K)
+        val_chain = jax.jit(lambda p, b: chain(p, frozen, b)) if dc.head and chains else None
+        if val_chain is not None:
+            score_name = f"mean accepted length at k = {VALIDATION_K} (greedy, held-out continuations)"
+
+        def validate(params):  # the early-stopping score and the curve's points
+            m = {"top1_agreement": float(np.mean([val_acc1(params, b) for b in val_batches]))}
+            if val_chain is not None:
+                acc, n = 0.0, 0
+                for b in chains:
+                    a, c = val_chain(params, b)
+                    acc, n = acc + float(np.asarray(a).sum()), n + int(c)
+                m[f"mean_accepted_length_k{VALIDATION_K}"] = 1 + acc / max(n, 1)
+                m["score"] = m[f"mean_accepted_length_k{VALIDATION_K}"]
+            else:
+                m["score"] = m["top1_agreement"]
+            return m
 
     init_score = None
     if init is not None and validate is not None:
-        init_score = validate(trainable)
-        say(f"--init {init}: held-out top-1 agreement before training {init_score:.4f}")
+        init_score = validate(trainable)["score"]
+        say(f"--init {init}: held-out {score_name} before training {init_score:.4f}")
+    if dc.budget_minutes is not None:
+        saved = state_dir / "state.json"
+        steps = (json.loads(saved.read_text())["steps"] if resume and saved.exists() else
+                 _steps_for_budget(dc, started, loss, trainable, frozen, batch_fn, validate, say))
+        dc = dataclasses.replace(dc, train=dataclasses.replace(dc.train, steps=steps))
 
+    train_started = time.time()
     trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
                                resume=resume, meta=meta, validate=validate)
+    train_s = time.time() - train_started
     mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
     covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
     tail = history[-min(20, len(history)):] if history else []
+    curve = [h for h in history if "validation" in h]
+    validation = {"sequences": int(len(val_idx)), "score": score_name,
+                  "score_by_step": {str(h["step"]): round(h["validation"], 4) for h in curve},
+                  "top1_agreement_by_step": {str(h["step"]): round(h["validation_metrics"]["top1_agreement"], 4)
+                                             for h in curve},
+                  "training_tokens_by_step": {str(h["step"]): h["tokens"] for h in curve}}
+    if dc.head:
+        config = {"decoder_layers": 1, "ttt_depth": dc.ttt_depth,
+                  "initialised_from_target_layer": target.config.num_layers - 1}
+        if layers:
+            config.update(head="eagle3", feature_layers=list(layers))
+    else:
+        config = {"draft_layers": dc.draft_layers, "initialised_from_target_layers": picks}
+    sources = (data.mix or {}).get("sources") or [{"name": "stdlib signature + docstring, raw, target continuation",
+                                                   "sequences": int(len(data.lengths))}]
     card = {
         "target": ckpt.target_identity(target) | {"name": target_name},
-        "config": ({"draft_layers": dc.draft_layers, "initialised_from_target_layers": picks}
-                   if dc.arch == "small-llama" else {"decoder_layers": 1, "unroll": dc.unroll,
-                                                     "initialised_from_target_layer": target.config.num_layers - 1}),
+        "config": config,
         "draft_vocab": {"size": int(len(vocab_ids)), "coverage_of_target_choices": round(covered, 4)},
-        "data": {"prompts": int(len(data.lengths)),
-                 "source": "function signature + docstring from the Python standard library (not HumanEval)",
+        "data": {"sequences": int(len(data.lengths)), "prompts": int(data.generated.sum()),
+                 "source": "the Python standard library and its documentation on this machine "
+                           "(never HumanEval or a benchmark prompt)",
+                 "mix": sources,
                  "continuation": f"target greedy, up to {dc.max_new_tokens} new tokens",
-                 "tokens": int(data.lengths.sum()), "fingerprint": data.fingerprint()},
+                 "tokens": int(data.lengths.sum()), "fingerprint": data.fingerprint(),
+                 **({k: v for k, v in data.mix.items() if k != "sources"} if data.mix else {}),
+                 "seconds": round(data_s, 1)},
         "training": {"steps": dc.train.steps, "batch_size": dc.train.batch_size,
                      "learning_rate": dc.train.learning_rate, "optimizer": "adamw, warmup-cosine, clip 0.5",
                      "final_metrics": {k: round(float(np.mean([h[k] for h in tail])), 4)
-                                       for k in (tail[0] if tail else {}) if k not in ("step", "validation")},
-                     "validation": {"sequences": int(len(val_idx)),
-                                    "top1_agreement_by_step": {str(h["step"]): round(h["validation"], 4)
-                                                               for h in history if "validation" in h}},
+                                       for k in (tail[0] if tail else {})
+                                       if k not in ("step", "validation", "validation_metrics", "tokens")},
+                     "validation": validation,
                      **({"init": {"checkpoint": str(init), "validation_before_training": round(init_score, 4)
                                   if init_score is not None else None}} if init is not None else {}),
-                     "wall_seconds": round(time.time() - started, 1), "machine": describe_machine(),
+                     **({"budget_minutes": dc.budget_minutes} if dc.budget_minutes is not None else {}),
+                     "seconds": round(train_s, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
     }
-    if dc.arch == "eagle":
+    if dc.head and len(val_idx) and data.generated[val_idx].any():
+        card["held_out"] = dict(held_out_acceptance(target, trainable, frozen, vocab_ids, data, labels, val_idx,
+                                                    dc.eval_k),
+                                what=f"acceptance per position of a {dc.eval_k}-token chain at every start in the "
+                                     "held-out sequences' target-written continuations (training-time test; greedy "
+                                     "exact, T = 0.7 the expected sum min(p, q) product)")
+    card["wall_seconds"] = round(time.time() - started, 1)
+    if dc.head:
         ckpt.save_eagle(out, trainable, vocab_ids, card)
     else:
         params = dict(trainable, embed_tokens={"embedding": target.params["embed_tokens"]["embedding"]})
@@ -235,7 +444,7 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
 
     prompts = [p["prompt"] for p in list(read_problems().values())[:num_prompts]]
     sp = jspec.SamplingParams(max_tokens=max_new_tokens)
-    method = "eagle" if arch == "eagle" else "draft"
+    method = "eagle" if arch in ("eagle", "eagle3") else "draft"
     generate(target, prompts[:1], jspec.SamplingParams(max_tokens=4))
     base_tok, base_s = 0, 0.0
     for p in prompts:

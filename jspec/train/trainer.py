@@ -90,9 +90,11 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
           validate: Optional[Callable[[Any], float]] = None):
     """Optimize ``trainable``; returns (trainable, history of per-step metric dicts).
 
-    With ``validate(params) -> score`` (higher is better), the parameters are scored at every
-    checkpoint and the best-scoring ones are returned (early stopping on held-out data); the
-    scores are in the history as ``validation``.
+    With ``validate(params) -> score`` (higher is better; or a dict of metrics with the score
+    under ``"score"``), the parameters are scored at every checkpoint and the best-scoring ones
+    are returned (early stopping on held-out data); the scores are in the history as
+    ``validation`` (the metrics as ``validation_metrics``). When batches are dicts with
+    ``lengths``, the history counts the training tokens seen so far (``tokens``).
     """
     opt = tc.optimizer()
     opt_state = opt.init(trainable)
@@ -115,6 +117,9 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
         return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss)
 
     history = []
+    tokens = 0
+    if start:
+        tokens = int(json.loads((state_dir / "state.json").read_text()).get("tokens", 0))
     bar = None
     if progress:
         from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
@@ -122,9 +127,12 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
         bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, tc.steps):
         key = jax.random.fold_in(jax.random.key(tc.seed), step)
-        trainable, opt_state, metrics = step_fn(trainable, opt_state, batch_fn(step), key)
+        batch = batch_fn(step)
+        trainable, opt_state, metrics = step_fn(trainable, opt_state, batch, key)
         metrics = {k: float(v) for k, v in metrics.items()}
-        history.append(dict(metrics, step=step + 1))
+        if isinstance(batch, dict) and "lengths" in batch:
+            tokens += int(np.asarray(batch["lengths"]).sum())
+        history.append(dict(metrics, step=step + 1, tokens=tokens))
         if bar is not None:
             bar.update(1)
             bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()})
@@ -133,10 +141,14 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
         done = step + 1
         if done % tc.checkpoint_every == 0 or done == tc.steps:
             if validate is not None:
-                score = float(validate(trainable))
+                scored = validate(trainable)
+                score = float(scored["score"] if isinstance(scored, dict) else scored)
                 history[-1]["validation"] = score
+                if isinstance(scored, dict):
+                    history[-1]["validation_metrics"] = {k: float(v) for k, v in scored.items() if k != "score"}
                 if bar is not None:
-                    bar.write(f"step {done}: held-out top-1 agreement with the target {score:.4f}")
+                    shown = history[-1].get("validation_metrics") or {"score": score}
+                    bar.write(f"step {done}: held-out " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
                 if score > best_score:
                     best, best_score = trainable, score
                     if state_dir is not None:
@@ -144,8 +156,8 @@ def train(loss_fn: Callable, trainable, frozen, batch_fn: Callable[[int], Any], 
 
                         save_tensors(state_dir / "best.safetensors", _flat_with_paths(best))
             if state_dir is not None:
-                save_state(state_dir, done, trainable, opt_state, dict(meta, best_score=best_score)
-                           if validate is not None else meta)
+                save_state(state_dir, done, trainable, opt_state, dict(meta, best_score=best_score, tokens=tokens)
+                           if validate is not None else dict(meta, tokens=tokens))
     if bar is not None:
         bar.close()
     return (best if validate is not None else trainable), history

@@ -25,7 +25,10 @@ prefilled chunk by chunk in the same steps as the target, and after each step ba
         after a plain one-token step (no proposal ran): stay in step with the target
 
 Drafters with pages of their own also have ``cache_config``: the ModelConfig of those pages
-(for the engine's memory estimate).
+(for the engine's memory estimate). Drafters that read the target's hidden states may name
+which in ``feature_layers``: the residual stream after those target layers, concatenated (an
+EAGLE-3 head's low/middle/high features); without it (or empty) ``hidden`` is the target's
+final hidden state after its norm.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class Proposal(NamedTuple):
     drafter_state: Any
     target_cache: PagedKVCache  # the target cache to verify on (unchanged except layer-skip)
     num_drafts: Optional[jax.Array] = None  # int32 [B]: real drafts (<= k); None = k for all
+
+
+def feature_layers(drafter) -> tuple[int, ...]:
+    """The target layers whose residual stream ``drafter`` reads as its ``hidden`` (() = the
+    final hidden state; also for drafters that read none)."""
+    return tuple(getattr(drafter, "feature_layers", ()) or ())
 
 
 class StatelessDrafter:

@@ -1,4 +1,8 @@
-"""EAGLE-style feature-level drafting (see :mod:`jspec.models.eagle` for the head).
+"""EAGLE-style feature-level drafting (see :mod:`jspec.models.eagle` for the heads).
+
+``feature_layers`` names what the head reads of the target: () the final hidden state (EAGLE-1),
+or the residual stream after those target layers (EAGLE-3's fused low/middle/high features);
+the steps ask the target forward for exactly that (``forward_segments(feature_layers=...)``).
 
 State: the head's own one-layer pages (the target's pool geometry, read through the target's
 block tables) whose entry t was computed from (token_t, f_{t-1}) with the target's *true*
@@ -37,8 +41,8 @@ class EagleState:
     k_pages: tuple[jax.Array]  # the head's one layer [KVH, P, S, D]
     v_pages: tuple[jax.Array]
     lengths: jax.Array  # int32 [B]: == seq_len - 1 for running slots
-    last_feature: jax.Array  # [B, H]: the target's feature f_{seq_len - 2}
-    page_feature: jax.Array  # [P, H]: the target's feature at the last slot of each prefilled page
+    last_feature: jax.Array  # [B, F]: the target's feature f_{seq_len - 2} (F = H, or H * feature layers)
+    page_feature: jax.Array  # [P, F]: the target's feature at the last slot of each prefilled page
 
     SLOT_FIELDS = ("lengths", "last_feature")  # pages and page_feature belong to the pool
 
@@ -52,6 +56,11 @@ class EagleDrafter:
     k: int
     config: ModelConfig  # the target's
     attention: str = "reference"
+    feature_layers: tuple[int, ...] = ()  # () EAGLE-1: the target's final hidden state
+
+    @property
+    def feature_dim(self) -> int:
+        return self.config.hidden_size * max(len(self.feature_layers), 1)
 
     @property
     def cache_config(self) -> ModelConfig:
@@ -67,7 +76,7 @@ class EagleDrafter:
         dtype = jnp.dtype(c.dtype)
         b = cache.lengths.shape[0]
         return EagleState((jnp.zeros(shape, dtype),), (jnp.zeros(shape, dtype),), jnp.zeros_like(cache.lengths),
-                          jnp.zeros((b, c.hidden_size), dtype), jnp.zeros((cache.num_pages, c.hidden_size), dtype))
+                          jnp.zeros((b, self.feature_dim), dtype), jnp.zeros((cache.num_pages, self.feature_dim), dtype))
 
     def admit(self, d: EagleState, mask, start, cache) -> EagleState:
         """A slot restarting at ``start`` (a prefix-cache hit covers positions < start): its
@@ -84,8 +93,8 @@ class EagleDrafter:
         hidden = hidden.astype(d.last_feature.dtype)
         old_last = jnp.take(d.last_feature, rows, axis=0, mode="clip")  # padding rows (past the end) clip
         prev = jnp.concatenate([old_last[:, None], hidden[:, :-1]], axis=1)  # f_{pos - 1}
-        _, head_cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, segment.tokens),
-                                      prev, self._view(d, cache), q_lens, self.attention, rows=rows)
+        head_cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, segment.tokens),
+                                   prev, self._view(d, cache), q_lens, self.attention, rows=rows).context
         last = jnp.take_along_axis(hidden, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
         last_feature = d.last_feature.at[rows].set(jnp.where((q_lens > 0)[:, None], last, old_last), mode="drop")
         # remember the feature at the last slot of each page this chunk completes
@@ -98,24 +107,26 @@ class EagleDrafter:
         page_feature = d.page_feature.at[page.reshape(-1)].set(hidden.reshape(p * t, -1), mode="drop")
         return EagleState(head_cache.k_pages, head_cache.v_pages, head_cache.lengths, last_feature, page_feature)
 
-    def _step(self, dparams, target_params, q_lens):
+    def _step(self, dparams, target_params, q_lens, fused: bool):
         c = self.config
 
-        def step(tok, carry):  # tok [B, 1]; carry = (cache, previous feature [B, H])
+        def step(tok, carry):  # tok [B, 1]; carry = (cache, previous feature [B, F] or chained output [B, H])
             cache, feat = carry
-            f_hat, cache = eagle_forward(dparams["head"], c, _embed(target_params, tok), feat[:, None],
-                                         cache, q_lens, self.attention)
-            logits = draft_vocab_logits(f_hat[:, 0], dparams["lm_head"], dparams["vocab_ids"], c.vocab_size)
-            return logits, (cache, f_hat[:, 0])
+            out = eagle_forward(dparams["head"], c, _embed(target_params, tok), feat[:, None], cache, q_lens,
+                                self.attention, fused=fused)
+            logits = draft_vocab_logits(out.normed[:, 0], dparams["lm_head"], dparams["vocab_ids"], c.vocab_size)
+            return logits, (out.context, out.chained[:, 0])
 
         return step
 
     def _first(self, drafter_params, target_params, state: DecodeState):
-        """The head's entry seq_len - 1 from (last token, last_feature): (step, logits of d_1, carry)."""
+        """The head's entry seq_len - 1 from (last token, last_feature): (the chain's step, logits
+        of d_1, carry)."""
         d = state.drafter
-        step = self._step(drafter_params, target_params, (~state.done).astype(jnp.int32))
-        first, carry = step(last_tokens(state), (self._view(d, state.cache), d.last_feature))
-        return step, first, carry
+        q_lens = (~state.done).astype(jnp.int32)
+        first, carry = self._step(drafter_params, target_params, q_lens, False)(
+            last_tokens(state), (self._view(d, state.cache), d.last_feature))
+        return self._step(drafter_params, target_params, q_lens, True), first, carry
 
     @staticmethod
     def _with_cache(d: EagleState, cache) -> EagleState:
@@ -145,8 +156,8 @@ class EagleDrafter:
         idx = jnp.minimum(base[:, None] + jnp.arange(m)[None, :], state.tokens.shape[1] - 1)
         toks = jnp.take_along_axis(state.tokens, idx, axis=1)
         view = self._view(d, state.cache, jnp.where(ran, base, d.lengths))
-        _, cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, toks),
-                                 feats.astype(d.last_feature.dtype), view, todo, self.attention)
+        cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, toks),
+                              feats.astype(d.last_feature.dtype), view, todo, self.attention).context
         # the new last feature f_{seq_len - 2} sits at feats index seq_len - 1 - base
         new_last = jnp.take_along_axis(feats, jnp.clip(todo, 0, m - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where((ran & (state.seq_lens > prev_state.seq_lens))[:, None], new_last, d.last_feature)
@@ -165,8 +176,9 @@ class EagleDrafter:
 
 
 def make_eagle_drafter(spec, target, attention: str = "reference"):
-    """(EagleDrafter, drafter params) from a shipped or trained EAGLE checkpoint."""
-    from jspec.loading.drafts import load_eagle
+    """(EagleDrafter, drafter params) from a shipped or trained EAGLE checkpoint (EAGLE-1, or
+    EAGLE-3 reading the target layers its card names)."""
+    from jspec.loading.drafts import read_eagle
 
-    params = load_eagle(spec.draft, target)
-    return EagleDrafter(spec.num_speculative_tokens, target.config, attention), params
+    params, feature_layers = read_eagle(spec.draft, target)
+    return EagleDrafter(spec.num_speculative_tokens, target.config, attention, feature_layers), params

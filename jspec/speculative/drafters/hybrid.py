@@ -64,6 +64,10 @@ class HybridDrafter:
         return self.head.cache_config
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
+
+    @property
     def lookup(self) -> NgramDrafter:
         return NgramDrafter(self.k, self.n_max, self.n_min)
 
