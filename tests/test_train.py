@@ -233,3 +233,31 @@ def test_init_continues_from_a_draft(trained, target, tmp_path, arch, other):
     with pytest.raises(jspec.DraftMismatchError, match="architecture"):
         run(target, "t", tmp_path / "wrong", dataclasses.replace(dc, arch=other), eval_prompts=0,
             init=str(path), say=lambda *a: None)
+
+
+def test_eagle3_mix_budget_and_held_out_card(target, tmp_path):
+    """An EAGLE-3 head on a mix of generated, chat and read sequences within a time budget: the
+    steps come from the budget, the card records the mix, the fused layers, the training curve
+    (tokens seen) and held-out acceptance per position at T = 0 and 0.7; the head loads and
+    drafts losslessly."""
+    dc = DistillConfig(arch="eagle3", prompts=12, chat_prompts=0, read_code_tokens=600, read_prose_tokens=400,
+                       window=64, max_prompt_tokens=300, max_new_tokens=10, draft_vocab=128, ttt_depth=2, eval_k=3,
+                       validation_fraction=0.2, budget_minutes=4.0,
+                       train=TrainConfig(steps=1, batch_size=4, learning_rate=3e-3, checkpoint_every=4, warmup_steps=2))
+    card = run(target, "t", tmp_path / "e3", dc, eval_prompts=0, say=lambda *a: None)
+    assert card["config"]["head"] == "eagle3" and card["config"]["feature_layers"] == [0, 1]  # 2 layers: clipped
+    assert card["training"]["budget_minutes"] == 4.0 and card["training"]["steps"] > 1
+    names = [s["name"] for s in card["data"]["mix"]]
+    assert len(names) == 3 and "read" in names[1] and "prose" in names[2]
+    assert card["data"]["target_pass_tokens_per_second"] > 0
+    val = card["training"]["validation"]
+    assert "mean accepted length" in val["score"] and val["score_by_step"]
+    tokens = list(val["training_tokens_by_step"].values())
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    for temp in ("T=0", "T=0.7"):
+        per = card["held_out"][temp]["all"]["acceptance_per_position"]
+        assert len(per) == 3 and all(0 <= a <= 1 for a in per) and per == sorted(per, reverse=True)
+    sp = jspec.SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    spec = jspec.SpecConfig("eagle", 3, draft=str(tmp_path / "e3"))
+    assert jspec.generate(target, prompts, sp, spec=spec).token_ids == jspec.generate(target, prompts, sp).token_ids
