@@ -40,7 +40,6 @@ def test_feature_layers_are_the_residual_stream_after_those_layers(target):
 
 
 def _inputs(target, n, length, seed=0):
-    cfg = target.config
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(2, 96, (n, length)), jnp.int32)
     lens = jnp.full((n,), length, jnp.int32)

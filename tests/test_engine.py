@@ -279,6 +279,27 @@ def test_dynamic_k_is_lossless_and_measures_each_k(target):
     assert all(t is not None for t in engine.costs[most].step_seconds.values()), engine.stats.bursts_by_slots
 
 
+def test_calibration_times_every_k_at_every_bucket_and_leaves_nothing(target):
+    """warmup() with dynamic k times every candidate k at every slot bucket on the real shapes
+    (speculative steps that really propose: the lookup drafter's counters moved), leaves no
+    request, page or step count behind, and later requests still equal their solo runs."""
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=4 * 5 + 32, max_model_len=256, page_size=8,
+                          max_burst_steps=4)
+    engine = LLMEngine(target, config, SpecConfig("ngram", 4, ngram_min=1, dynamic_k=True))
+    engine.warmup()
+    for n in engine.buckets:
+        assert all(t is not None and t > 0 for t in engine.costs[n].step_seconds.values()), (n, engine.costs[n])
+    assert int(np.asarray(engine.runner.state.proposed)[0].sum()) > 0  # the k = 4 run proposed drafts
+    assert not engine.has_unfinished_requests() and engine.allocator.num_free == engine.allocator.num_usable
+    assert bool(np.asarray(engine.runner.state.done).all())
+    prompts = prompts_with_repeats(3, seed=9)
+    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.output_ids for r in reqs] == [solo(target, p, GREEDY) for p in prompts]
+    assert engine.stats.steps_run <= sum(r.metrics.num_steps for r in reqs)  # calibration's steps not counted
+
+
 def test_nothing_compiles_after_warmup(target):
     """200 random requests (lengths, budgets, sampling settings, per-request caps, arrivals in
     waves that drain) through a warmed-up engine with dynamic k, its decode bursts at every

@@ -407,6 +407,52 @@ class LLMEngine:
         dummy = slot_update(0, [0], tables[0], 1, 0, SamplingParams(), 0, 0, self.buffer_len)
         self.runner.set_slot(self.drafter, dummy)
         self.runner.release(0)
+        if len(self.cost.candidates) > 1:
+            self.calibrate()
+
+    def calibrate(self, steps: int = 8, context: int = 96) -> dict[int, dict[int, float]]:
+        """Time each dynamic-k candidate at each slot bucket on the real batch shape, before any
+        request: every slot of the bucket running greedily at ``context`` tokens of a repeating
+        pattern (so a lookup drafter always proposes), one untimed burst of ``steps`` steps (the
+        first run of a program pays one-time costs) and one timed; each slot restarts at the same
+        length for every k. The times seed the buckets' cost models (single bursts measured while
+        serving were too noisy to rank k: BENCHMARKS.md). Nothing is left behind: the slots are
+        released and their pages were never the allocator's (empty engine: no page is held).
+        Returns {bucket: {k: seconds per step}}; a bucket whose slots the pool cannot hold at once
+        is left to be measured while serving."""
+        if self.scheduler.has_work():
+            raise ConfigError("calibrate() runs on an empty engine")
+        k_max = max(self.cost.candidates)
+        context = min(context, self.buffer_len - 2 * steps * (k_max + 1) - 1)
+        length = context + 2 * steps * (k_max + 1) + 1
+        pages = self.allocator.pages_for(length)
+        width = self.scheduler.tables().shape[1]
+        pattern = (np.arange(context) % 7 + 2) % self.model.config.vocab_size
+        out = {}
+        for n in self.buckets:
+            if context < 8 or n * pages > self.allocator.num_usable or pages > width:
+                continue
+            tables = np.zeros_like(self.scheduler.tables())
+            for i in range(n):
+                tables[i, :pages] = self.allocator.reserved + i * pages + np.arange(pages)
+            out[n] = {}
+            for k in self.cost.candidates:
+                caps = np.full((len(self.scheduler.slots),), k, np.int32)
+                for i in range(n):
+                    self.runner.set_slot(self.drafter, slot_update(
+                        i, list(pattern), tables[i], length, context - 1, SamplingParams(max_tokens=1, ignore_eos=True),
+                        0, k, self.buffer_len))
+                slots = np.arange(n, dtype=np.int32)
+                self.runner.burst(self._steps[k], tables, caps, None, steps, False, slots)
+                t0 = time.perf_counter()
+                snap = self.runner.burst(self._steps[k], tables, caps, None, steps, False, slots)
+                seconds = time.perf_counter() - t0
+                self.costs[n].observe(k, steps, seconds)
+                out[n][k] = seconds / steps
+            for i in range(n):
+                self.runner.release(i)
+            self._last_steps = int(snap.steps)
+        return out
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import random
 import sysconfig
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -294,6 +295,92 @@ def add_target_features(target, data: DraftData, batch_size: int = 8, feature_la
             progress(len(idx))
     return dataclasses.replace(data, features=final, argmax=best, layer_features=layers,
                                feature_layers=tuple(feature_layers))
+
+
+def _timed(fn):
+    t = time.time()
+    out = fn()
+    return out, time.time() - t
+
+
+@dataclasses.dataclass(frozen=True)
+class DataMix:
+    """What a draft trains on (counts of sequences the target writes, tokens of text it reads)."""
+
+    prompts: int = 256  # standard-library signature + docstring prompts, raw, with continuations
+    chat_prompts: int = 0  # chat-template requests built from the standard library, with replies
+    read_code_tokens: int = 0  # standard-library source, read
+    read_prose_tokens: int = 0  # Python's help() topics and long docstrings, read
+    window: int = 384  # tokens per read window
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    gen_batch_size: int = 16  # engine slots while generating
+    seed: int = 0
+
+
+def build_data(target, mix: DataMix, layers: tuple[int, ...], path: Path, reuse: bool, say=print) -> DraftData:
+    """The sequences of ``mix`` with the target's features (``layers``: the residual layers an
+    EAGLE-3 head reads), saved to ``path``; with ``reuse`` loaded from there instead (its layer
+    features sliced, or recomputed if it holds others)."""
+    from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
+
+    if reuse and path.exists():
+        say(f"reusing training data {path}")
+        data = DraftData.load(path)
+        if layers and set(layers) <= set(data.feature_layers):  # a subset of the layers held: slice
+            h = target.config.hidden_size
+            cols = np.concatenate([np.arange(h) + h * data.feature_layers.index(i) for i in layers])
+            if tuple(layers) != data.feature_layers:
+                data = dataclasses.replace(data, layer_features=data.layer_features[..., cols], feature_layers=layers)
+        elif layers and data.feature_layers != layers:
+            say(f"it holds features of layers {list(data.feature_layers)}, this run reads {list(layers)}: recomputing")
+            with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
+                data = dataclasses.replace(add_target_features(target, data, feature_layers=layers,
+                                                               progress=bar.update), mix=data.mix)
+            data.save(path)
+        return data
+    tok = target.tokenizer
+    parts, sources = [], []
+
+    def fits(prompt, chat):
+        return len(encode_prompt(tok, prompt, chat)) <= mix.max_prompt_tokens
+
+    gen_tokens, gen_s = 0, 0.0
+    for name, count, chat, pick in (
+            ("stdlib signature + docstring, raw, target continuation", mix.prompts, False, stdlib_prompts),
+            ("chat request from the stdlib (write this function / explain this module or topic), target reply",
+             mix.chat_prompts, True, chat_requests)):
+        if not count:
+            continue
+        prompts = [p for p in pick(count * 2, seed=mix.seed) if fits(p, chat)][:count]
+        with tqdm(total=len(prompts), desc="target continuations" + (" (chat)" if chat else ""), unit="prompt",
+                  dynamic_ncols=True) as bar:
+            part, sec = _timed(lambda: generate_sequences(target, prompts, mix.max_new_tokens, mix.gen_batch_size,
+                                                          bar.update, chat=chat))
+        new = int((part.lengths - part.prompt_lengths).sum())
+        gen_tokens, gen_s = gen_tokens + new, gen_s + sec
+        parts.append(part)
+        sources.append({"name": name, "sequences": len(prompts), "tokens": int(part.lengths.sum()),
+                        "target_tokens": new, "seconds": round(sec, 1)})
+    for name, count, docs in (("stdlib source code, read", mix.read_code_tokens, code_documents),
+                              ("Python help() topics and long docstrings (prose), read", mix.read_prose_tokens,
+                               prose_documents)):
+        if not count:
+            continue
+        windows = read_windows(tok, docs(mix.seed), mix.window, count)
+        if windows:
+            parts.append(from_sequences(windows, [len(w) for w in windows]))
+            sources.append({"name": name, "sequences": len(windows), "tokens": sum(map(len, windows))})
+    data = concat(parts)
+    data = dataclasses.replace(data, sources=np.concatenate([np.full(len(p.lengths), i, np.int8)
+                                                               for i, p in enumerate(parts)]))
+    with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
+        data, sec = _timed(lambda: add_target_features(target, data, feature_layers=layers, progress=bar.update))
+    mix = {"sources": sources, "target_pass_tokens_per_second": round(float(data.lengths.sum()) / sec, 1),
+           "generation_tokens_per_second": round(gen_tokens / gen_s, 1) if gen_s else None}
+    data = dataclasses.replace(data, mix=mix)
+    data.save(path)
+    return data
 
 
 def draft_vocabulary(data: DraftData, size: int, always: tuple[int, ...] = ()) -> np.ndarray:

