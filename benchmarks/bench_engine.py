@@ -22,7 +22,6 @@ p50/p99 time to first token and time per output token, per method, at ``max_num_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import time

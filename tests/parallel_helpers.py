@@ -89,7 +89,6 @@ def shardings_report(eng) -> dict:
     from jspec.cache.paged import PAGE_AXES
     from jspec.models.tensor_parallel import param_axes
 
-    tp = eng.config.tensor_parallel_size
     bad = []
 
     def check(name, x, axes):

@@ -216,6 +216,9 @@ def test_init_continues_from_a_draft(trained, target, tmp_path, arch, other):
     said = []
     card = run(target, "t", tmp_path / "cont", dc, eval_prompts=0, init=str(path), say=said.append)
     assert card["training"]["init"]["checkpoint"] == str(path)
+    prior = ckpt.read_card(path)["training"]  # the lineage: tokens seen before, counted on
+    assert card["training"]["init"]["tokens_total"] == prior["tokens_total"] > 0
+    assert card["training"]["tokens_total"] > prior["tokens_total"]
     assert card["draft_vocab"]["size"] <= 100
     def params_of(p):
         return ckpt.load_eagle(str(p), target)["head"] if arch == "eagle" else ckpt.load_draft(str(p), target)[0].params

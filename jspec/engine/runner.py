@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.cache import PagedKVCache, init_cache
+from jspec.cache import init_cache
 from jspec.config import ModelConfig
 from jspec.models.llama import Segment
 from jspec.parallel import to_host

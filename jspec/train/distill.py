@@ -178,6 +178,18 @@ def init_params(target, dc: DistillConfig, init: str):
     return cfg, trainable, n
 
 
+def _lineage(init: str) -> dict:
+    """What the ``init`` draft had been trained on: its steps, date and training tokens, counting
+    its own ``init`` chain (``tokens_total``), so that a continued run's curve can be read in
+    training tokens from the start."""
+    card = ckpt.read_card(ckpt.resolve_draft_path(init)) or {}
+    training = card.get("training", {})
+    by_step = training.get("validation", {}).get("training_tokens_by_step", {})
+    own = max(by_step.values(), default=0)
+    total = training.get("tokens_total", own)
+    return {"steps": training.get("steps"), "date": training.get("date"), "tokens_total": total}
+
+
 def _batches_of(data: DraftData, labels, idx: np.ndarray, size: int) -> list[dict]:
     return [_batch(data, labels, idx[i:i + size]) for i in range(0, len(idx), size)]
 
@@ -309,6 +321,7 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
                                resume=resume, meta=meta, validate=validate)
     train_s = time.time() - train_started
+    prior = _lineage(init) if init is not None else {}
     mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
     covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
     tail = history[-min(20, len(history)):] if history else []
@@ -346,7 +359,8 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
                                        if k not in ("step", "validation", "validation_metrics", "tokens")},
                      "validation": validation,
                      **({"init": {"checkpoint": str(init), "validation_before_training": round(init_score, 4)
-                                  if init_score is not None else None}} if init is not None else {}),
+                                  if init_score is not None else None, **prior}} if init is not None else {}),
+                     "tokens_total": prior.get("tokens_total", 0) + (history[-1].get("tokens", 0) if history else 0),
                      **({"budget_minutes": dc.budget_minutes} if dc.budget_minutes is not None else {}),
                      "seconds": round(train_s, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
