@@ -334,6 +334,30 @@ def test_nothing_compiles_after_warmup(target):
     assert compiles == []
 
 
+def test_first_token_comes_back_right_after_prefill(target):
+    """Bursts run up to max_burst_steps, but a new request's first token is not held back for a
+    long one: the burst after its prefill is a single step (time to first token = prefill + one
+    step), for a request alone and for one that joins a running one; then bursts are long again,
+    and the outputs are the solo runs'."""
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_burst_steps=8)
+    engine = LLMEngine(target, config)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    a = engine.add_request("a", [5, 6, 7], sp)
+    seen = []
+    while engine.has_unfinished_requests():
+        if len(a.output_ids) == 17:
+            b = engine.add_request("b", [9, 8, 7, 6], sp)
+        engine.step()
+        seen.append((len(a.output_ids), len(engine.requests["b"].output_ids) if "b" in engine.requests else None))
+    assert seen[:3] == [(0, None), (1, None), (9, None)]  # prefill; one step: first token; then 8 steps
+    joined = next(i for i, (_, nb) in enumerate(seen) if nb is not None)
+    assert [nb for _, nb in seen[joined:joined + 3]] == [0, 1, 9]  # b: prefill (a waits), one step, a burst
+    assert seen[joined + 1][0] == seen[joined][0] + 1  # a ran that single step too
+    assert a.output_ids == solo(target, [5, 6, 7], sp) and b.output_ids == solo(target, [9, 8, 7, 6], sp)
+    r = jspec.generate(target, [[5, 6, 7]], sp)  # one burst for the rest: TTFT is no longer the total
+    assert r.ttft_s < r.total_s
+
+
 def test_add_request_refuses_what_can_never_fit(target):
     config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, kv_cache_tokens=40)
     engine = LLMEngine(target, config)

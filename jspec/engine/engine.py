@@ -3,7 +3,8 @@
 Requests join (``add_request``) and leave between bursts; ``step()`` plans a burst with the
 :class:`~jspec.engine.scheduler.Scheduler`, writes admitted requests into their slots, runs the
 burst on the device (one jitted call: up to ``max_burst_steps`` plain or speculative steps in a
-``lax.while_loop``, the first carrying a prefill chunk when one is pending), and turns the
+``lax.while_loop``; a step carrying prefill chunks runs alone, and so does the step after a
+request's prefill, so that its first token comes back at once), and turns the
 snapshot that comes back into :class:`~jspec.engine.request.RequestOutput` s: new tokens,
 detokenized text, stop strings, finish reasons and metrics.
 

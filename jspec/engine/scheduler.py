@@ -116,6 +116,8 @@ class Scheduler:
         prefill = self._prefill()
         if prefill is not None:
             steps = 1  # a step carrying prefill chunks runs alone
+        elif any(not r.output_ids for r in self.running):
+            steps = 1  # a request just prefilled: its first token out at once (time to first token)
         return Plan(prefill, steps, bool(self.waiting), k)
 
     def _reserve(self, steps: int, k: int) -> int:
