@@ -122,5 +122,6 @@ def test_train_a_draft(run_notebook):
     for name, first, last, steps in shipped:  # read from the cards: the curves rose
         assert float(last) > float(first) and int(steps) >= 400
     assert "held-out mean accepted length at k = 4" in text  # the EAGLE-3 card's chain score
+    assert re.search(r"continued from smollm2-135m-eagle3 \(\d+ steps, \d+k tokens before", text)  # its lineage
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 1
