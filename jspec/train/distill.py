@@ -270,9 +270,10 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     labels = draft_labels(data, vocab_ids, target.config.vocab_size)
     batch_fn = make_batches(data, labels, dc.train.batch_size, dc.train.seed, pool=train_idx)
     meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
-    picks = None
+    picks, prior = None, {}
     if init is not None:
         draft_cfg, trainable, n = init_params(target, dc, init)
+        prior = _lineage(init)  # read now: ``out`` may be the init checkpoint itself, rewritten at the end
         if n is not None:
             dc = dataclasses.replace(dc, draft_layers=n)
         meta["init"] = str(init)
@@ -321,7 +322,6 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
                                resume=resume, meta=meta, validate=validate)
     train_s = time.time() - train_started
-    prior = _lineage(init) if init is not None else {}
     mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
     covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
     tail = history[-min(20, len(history)):] if history else []
