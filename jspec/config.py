@@ -328,7 +328,7 @@ class EngineConfig:
       rows plus one prefill chunk (the rest of the budget, rounded down to a power of two);
     - ``max_model_len``: prompt + output tokens per request (default: the model's context);
     - ``kv_cache_tokens``: size of the page pool in tokens (default: ``max_num_seqs`` x
-      ``max_model_len``, every slot at full length);
+      ``max_model_len`` plus the rows of one verification, every slot at full length);
     - ``enable_prefix_caching``: share full prompt pages between requests with the same prefix;
     - ``max_burst_steps``: steps per device call (the host sees new tokens and arrivals between);
     - ``seed``: seeds of requests that bring none are drawn from this;

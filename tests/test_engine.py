@@ -377,6 +377,20 @@ def test_add_request_refuses_what_can_never_fit(target):
         engine.add_request("f", [5, 6], SamplingParams(max_tokens=3))
 
 
+def test_the_default_pool_holds_every_slot_at_max_model_len_while_speculating(target, drafters):
+    """With the default page pool, requests of exactly max_model_len tokens fill every slot at
+    once while speculating (their last verification writes k + 1 rows past the budget's pages):
+    none is refused and none is preempted (the pool used to hold max_model_len tokens a slot)."""
+    d, dp = drafters["ngram-3"]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 4 + 32, max_model_len=64, page_size=8)
+    prompts = prompts_with_repeats(2, seed=4, lo=20, hi=30)
+    requests = [(p, SamplingParams(max_tokens=64 - len(p), ignore_eos=True), 0) for p in prompts]
+    engine, reqs = run(target, requests, config, d, dp)
+    for i, (p, sp, _) in enumerate(requests):
+        assert reqs[i].output_ids == solo(target, p, sp)
+        assert len(p) + len(reqs[i].output_ids) == 64
+    assert engine.stats.preemptions == 0
+
 def test_abort_frees_the_slot_and_pages(target):
     config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_burst_steps=2)
     engine = LLMEngine(target, config)

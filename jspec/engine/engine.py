@@ -119,7 +119,9 @@ class LLMEngine:
         ps, b = config.page_size, config.max_num_seqs
         self.buffer_len = _round_up(self.max_model_len + k_max + 1, ps)
         table_width = self.buffer_len // ps
-        kv_tokens = config.kv_cache_tokens or b * self.max_model_len
+        # default: every slot at full length, with room for its verification rows (a request of
+        # max_model_len tokens needs buffer_len of pages: its last step writes k_max + 1 rows)
+        kv_tokens = config.kv_cache_tokens or b * self.buffer_len
         num_pages = -(-kv_tokens // ps) + 1  # + the null page
         budget = config.max_num_batched_tokens - b * (k_max + 1)
         if budget < MIN_CHUNK:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
 from jspec.speculative.drafters.base import Proposal
+from jspec.speculative.drafters.ngram import NgramDrafter
 from jspec.speculative.steps import PlainStep, SpecStep, plain_token_step
 
 
@@ -182,32 +183,36 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     engine's)."""
     kmax = max(q_lens) - 1
     engine = engine or prepared_engine(model, prompt, SpecConfig("ngram", max(kmax, 1)), attention=attention)
-    state = engine.runner.state
+    state = engine.runner.state.replace(drafter=None)
     params = engine.runner.params if params is None else params
-    cfg, eos, attn = model.config, tuple(model.config.eos_token_ids), engine._steps[0].attention
     out = []
     for q in q_lens:
-        if q == 1:
-            fn = jax.jit(lambda p, s: plain_token_step(p, cfg, attn, s, s.cache)[2])
-            args = (params, state.replace(drafter=None))
-        else:
-            from jspec.speculative.drafters.ngram import NgramDrafter
-
-            step = SpecStep(cfg, eos, attn, NgramDrafter(q - 1))
-            drafts = jnp.tile(state.tokens[:, :1], (1, q - 1))
-            num = jnp.full((state.batch,), q - 1, jnp.int32)
-
-            def verify(p, s, d, step=step, num=num):
-                prop = Proposal(d, None, None, s.cache, num)
-                _, (_, n, nxt, _) = step._verify(p, s, prop, num, None, s.cache)
-                return n, nxt
-
-            fn = jax.jit(verify)
-            args = (params, state.replace(drafter=None), drafts)
+        fn = verify_step_fn(engine, q)
+        args = (params, state) if q == 1 else (params, state, jnp.tile(state.tokens[:, :1], (1, q - 1)))
         by_cat, _ = trace_ops(fn, args, repeats)
         best = _time(fn, *args, repeats=repeats)
         out.append(OpProfile(q, float("nan"), best, by_cat))
     return out
+
+
+def verify_step_fn(engine: LLMEngine, q_len: int):
+    """The jitted target step of ``engine``'s model at ``q_len``: ``fn(params, state)`` the plain
+    one-token step (q_len 1, its logits) or ``fn(params, state, drafts [B, q_len - 1])`` the
+    verification forward of the drafts plus greedy acceptance (accepted counts, next tokens).
+    ``state`` is the engine's decode state without drafter state."""
+    cfg = engine.model.config
+    eos, attn = tuple(cfg.eos_token_ids), engine._steps[0].attention
+    if q_len == 1:
+        return jax.jit(lambda p, s: plain_token_step(p, cfg, attn, s, s.cache)[2])
+    step = SpecStep(cfg, eos, attn, NgramDrafter(q_len - 1))
+
+    def verify(p, s, d):
+        num = jnp.full((s.batch,), q_len - 1, jnp.int32)
+        prop = Proposal(d, None, None, s.cache, num)
+        _, (_, n, nxt, _) = step._verify(p, s, prop, num, None, s.cache)
+        return n, nxt
+
+    return jax.jit(verify)
 
 
 def _round_up(n: int, m: int) -> int:

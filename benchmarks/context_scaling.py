@@ -1,0 +1,85 @@
+"""How a decode step and a k = 4 verification step grow with the context (issue 11, item 5).
+
+    python benchmarks/context_scaling.py [--contexts 100,250,500,1000] [--k 4] [--rounds 3]
+                                         [--repeats 10] [--attention auto]
+
+For each context length an engine holds one request whose prompt is that many tokens of
+HumanEval text (problems concatenated), prefilled and decoded a few steps
+(``jspec.engine.profile.prepared_engine``). On that state it times the jitted target step the
+engine runs: a one-token decode forward (q_len 1) and the verification forward of k drafts plus
+greedy acceptance (q_len k + 1). The contexts are timed in interleaved rounds (every context
+and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
+that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
+context's decode step, and verify / decode at each context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import common
+import jax
+import jax.numpy as jnp
+
+import jspec
+from jspec.config import SpecConfig
+from jspec.engine.profile import prepared_engine, verify_step_fn
+
+
+def _best(fn, args, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="100,250,500,1000")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--attention", default="auto")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model = jspec.load_model()
+    text = "\n".join(common.humaneval_prompts(0, 40))
+    ids = model.tokenizer(text)["input_ids"]
+    if len(ids) < max(contexts):
+        raise SystemExit(f"only {len(ids)} tokens of prompt text; lower --contexts")
+    print(f"machine: {common.machine()}, git {common.git_rev()}, attention {args.attention}")
+    print(f"SmolLM2-135M-Instruct (float32), batch 1, k = {args.k}; best over {args.rounds} interleaved rounds "
+          f"of best-of-{args.repeats} calls, ms")
+    cases = {}  # (context, q_len) -> (fn, args)
+    for c in contexts:
+        engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention)
+        state = engine.runner.state.replace(drafter=None)
+        params = engine.runner.params
+        decode = verify_step_fn(engine, 1)
+        verify = verify_step_fn(engine, args.k + 1)
+        drafts = jnp.tile(state.tokens[:, :1], (1, args.k))
+        cases[(c, 1)] = (decode, (params, state))
+        cases[(c, args.k + 1)] = (verify, (params, state, drafts))
+        for fn, a in (cases[(c, 1)], cases[(c, args.k + 1)]):
+            jax.block_until_ready(fn(*a))  # compile
+        print(f"  context {c}: prepared (kv length {int(state.cache.lengths[0])})", flush=True)
+    best = {key: float("inf") for key in cases}
+    for _ in range(args.rounds):
+        for key, (fn, a) in cases.items():
+            best[key] = min(best[key], _best(fn, a, args.repeats))
+    base = best[(contexts[0], 1)]
+    rows = []
+    for c in contexts:
+        d, v = best[(c, 1)], best[(c, args.k + 1)]
+        rows.append({"context": c, "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
+                     f"verify k={args.k} ms": f"{v:.1f}", f"verify vs decode at {contexts[0]}": f"{v / base:.2f}x",
+                     "verify / decode": f"{v / d:.2f}x"})
+    print()
+    print(common.table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()
