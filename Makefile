@@ -24,11 +24,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/jspec generate "def fibonacci(n):" --max-new-tokens 96 --spec ngram --num-speculative-tokens 4
 
+# Two workers (pytest-xdist), each test file on one of them (its module fixtures start once): the
+# suite is mostly single-threaded XLA compilation, so two workers use both cores.
+TEST_JOBS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=40
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py

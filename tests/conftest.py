@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,23 @@ os.environ.setdefault("JSPEC_COMPILE_CACHE", "0")  # the CLI runs in-process her
 # default, as the benchmarks and users run.
 if os.environ.get("JSPEC_TEST_XLA_OPT", "0") != "1" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Many tests build their own engines and jitted closures over the same shapes, and the CLI, server
+# and notebook subprocesses compile the real model's same steps: JAX's persistent compilation cache
+# (keyed by the program's HLO, the compile options and XLA_FLAGS) makes each program compile once per
+# session, in this process and in the subprocesses (they inherit the environment). A temporary
+# directory, removed at the end; JSPEC_TEST_COMPILE_CACHE=0 turns it off.
+_XLA_CACHE = None
+if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jspec-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+    if "jax" in sys.modules:  # imported before this file (a plugin): set it there too
+        sys.modules["jax"].config.update("jax_compilation_cache_dir", _XLA_CACHE)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def _num_memory_maps() -> int:
