@@ -16,7 +16,6 @@ context's decode step, and verify / decode at each context.
 from __future__ import annotations
 
 import argparse
-import time
 
 import common
 import jax
@@ -24,16 +23,7 @@ import jax.numpy as jnp
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import prepared_engine, verify_step_fn
-
-
-def _best(fn, args, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+from jspec.engine.profile import best_ms, prepared_engine, verify_step_fn
 
 
 def main():
@@ -69,7 +59,7 @@ def main():
     best = {key: float("inf") for key in cases}
     for _ in range(args.rounds):
         for key, (fn, a) in cases.items():
-            best[key] = min(best[key], _best(fn, a, args.repeats))
+            best[key] = min(best[key], best_ms(fn, *a, repeats=args.repeats, compile=False))
     base = best[(contexts[0], 1)]
     rows = []
     for c in contexts:

@@ -3,6 +3,7 @@ an accepted block, metrics, sampled output distribution, and bad input."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
 import jspec
@@ -130,3 +131,22 @@ def test_profile_step_times_draft_and_verify(target):
                         jspec.SamplingParams(), warm_steps=2, repeats=2)
     assert prof.k == 3 and prof.draft_ms > 0 and prof.verify_ms > 0 and prof.plain_step_ms > 0
     assert prof.step_ms > 0 and "verify" in prof.summary()
+
+
+def test_verify_step_fn_and_profile_ops_on_the_engine_state(target):
+    """The q_len 1 function is the plain step (its next token); the q_len k + 1 function
+    verifies k given drafts: with that token as the first draft at least one is accepted, with
+    another token none; profile_ops times each q_len and attributes time to the LM head."""
+    from jspec.engine.profile import prepared_engine, profile_ops, verify_step_fn
+
+    engine = prepared_engine(target, PROMPTS[0], jspec.SpecConfig("ngram", 2), warm_steps=2)
+    state = engine.runner.state.replace(drafter=None)
+    nxt = verify_step_fn(engine, 1)(engine.runner.params, state)
+    assert nxt.shape == (state.batch,)
+    wrong = (nxt + 1) % target.config.vocab_size
+    accepted, _ = verify_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
+    rejected, _ = verify_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
+    assert int(accepted[0]) >= 1 and int(rejected[0]) == 0
+    profs = profile_ops(target, PROMPTS[0], (1, 3), repeats=2, engine=engine)
+    assert [p.q_len for p in profs] == [1, 3] and all(p.best_ms > 0 for p in profs)
+    assert profs[1].by_category.get("lm_head", 0) > 0

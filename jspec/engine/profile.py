@@ -45,8 +45,11 @@ class StepProfile:
                 f"{self.step_ms:.1f} ms; a plain step {self.plain_step_ms:.1f} ms")
 
 
-def _time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
+def best_ms(fn, *args, repeats: int, compile: bool = True) -> float:
+    """Best of ``repeats`` calls of ``fn(*args)`` in milliseconds (after one untimed call that
+    compiles, unless ``compile`` is False)."""
+    if compile:
+        jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -89,10 +92,10 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     plain = PlainStep(step.config, step.eos_ids, step.attention)
     plain_fn = jax.jit(lambda p, s: plain(p, None, s))
     return StepProfile(
-        draft_ms=_time(propose, dparams, params, state, repeats=repeats),
-        verify_ms=_time(verify, params, state, prop, repeats=repeats),
-        step_ms=_time(whole, params, dparams, state, repeats=repeats),
-        plain_step_ms=_time(plain_fn, params, state.replace(drafter=None), repeats=repeats),
+        draft_ms=best_ms(propose, dparams, params, state, repeats=repeats),
+        verify_ms=best_ms(verify, params, state, prop, repeats=repeats),
+        step_ms=best_ms(whole, params, dparams, state, repeats=repeats),
+        plain_step_ms=best_ms(plain_fn, params, state.replace(drafter=None), repeats=repeats),
         k=k)
 
 
@@ -190,14 +193,14 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
         fn = verify_step_fn(engine, q)
         args = (params, state) if q == 1 else (params, state, jnp.tile(state.tokens[:, :1], (1, q - 1)))
         by_cat, _ = trace_ops(fn, args, repeats)
-        best = _time(fn, *args, repeats=repeats)
+        best = best_ms(fn, *args, repeats=repeats)
         out.append(OpProfile(q, float("nan"), best, by_cat))
     return out
 
 
 def verify_step_fn(engine: LLMEngine, q_len: int):
     """The jitted target step of ``engine``'s model at ``q_len``: ``fn(params, state)`` the plain
-    one-token step (q_len 1, its logits) or ``fn(params, state, drafts [B, q_len - 1])`` the
+    one-token step (q_len 1, forward + greedy pick: the next token [B]) or ``fn(params, state, drafts [B, q_len - 1])`` the
     verification forward of the drafts plus greedy acceptance (accepted counts, next tokens).
     ``state`` is the engine's decode state without drafter state."""
     cfg = engine.model.config
