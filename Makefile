@@ -27,12 +27,13 @@ demo: $(STAMP)
 # Two workers (pytest-xdist), each test file on one of them (its module fixtures start once): the
 # suite is mostly single-threaded XLA compilation, so two workers use both cores.
 TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=40
+	$(PYTEST) --durations=40
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import best_ms, prepared_engine, verify_step_fn
+from jspec.engine.profile import best_ms, prepared_engine, target_step_fn
 
 
 def main():
@@ -48,8 +48,8 @@ def main():
         engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention)
         state = engine.runner.state.replace(drafter=None)
         params = engine.runner.params
-        decode = verify_step_fn(engine, 1)
-        verify = verify_step_fn(engine, args.k + 1)
+        decode = target_step_fn(engine, 1)
+        verify = target_step_fn(engine, args.k + 1)
         drafts = jnp.tile(state.tokens[:, :1], (1, args.k))
         cases[(c, 1)] = (decode, (params, state))
         cases[(c, args.k + 1)] = (verify, (params, state, drafts))

@@ -392,6 +392,7 @@ def test_the_default_pool_holds_every_slot_at_max_model_len_while_speculating(ta
         assert len(p) + len(reqs[i].output_ids) == 64
     assert engine.stats.preemptions == 0
 
+
 def test_abort_frees_the_slot_and_pages(target):
     config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, max_burst_steps=2)
     engine = LLMEngine(target, config)

@@ -133,19 +133,19 @@ def test_profile_step_times_draft_and_verify(target):
     assert prof.step_ms > 0 and "verify" in prof.summary()
 
 
-def test_verify_step_fn_and_profile_ops_on_the_engine_state(target):
+def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     """The q_len 1 function is the plain step (its next token); the q_len k + 1 function
     verifies k given drafts: with that token as the first draft at least one is accepted, with
     another token none; profile_ops times each q_len and attributes time to the LM head."""
-    from jspec.engine.profile import prepared_engine, profile_ops, verify_step_fn
+    from jspec.engine.profile import prepared_engine, profile_ops, target_step_fn
 
     engine = prepared_engine(target, PROMPTS[0], jspec.SpecConfig("ngram", 2), warm_steps=2)
     state = engine.runner.state.replace(drafter=None)
-    nxt = verify_step_fn(engine, 1)(engine.runner.params, state)
+    nxt = target_step_fn(engine, 1)(engine.runner.params, state)
     assert nxt.shape == (state.batch,)
     wrong = (nxt + 1) % target.config.vocab_size
-    accepted, _ = verify_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
-    rejected, _ = verify_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
+    accepted, _ = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
+    rejected, _ = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
     assert int(accepted[0]) >= 1 and int(rejected[0]) == 0
     profs = profile_ops(target, PROMPTS[0], (1, 3), repeats=2, engine=engine)
     assert [p.q_len for p in profs] == [1, 3] and all(p.best_ms > 0 for p in profs)

@@ -143,7 +143,7 @@ def cmd_generate(args) -> int:
     max_model_len = min(context, checks.run_tokens(0, longest, 0, args.page_size, context, args.chat))
     config = EngineConfig(
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
-        max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens or seqs * (max_model_len + k + 1),
+        max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
         max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp)
     enable_compile_cache()

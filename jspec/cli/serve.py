@@ -173,9 +173,7 @@ def _serve(args, spec, config, sock) -> int:
     max_model_len = args.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > context:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
-    k = spec.num_speculative_tokens if spec.enabled else 0
-    config = dataclasses.replace(config, max_model_len=max_model_len,
-                                 kv_cache_tokens=args.kv_cache_tokens or config.max_num_seqs * (max_model_len + k + 1))
+    config = dataclasses.replace(config, max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens)
     enable_compile_cache()
     model = checkpoint.load()
     if model.tokenizer is None:
@@ -189,7 +187,8 @@ def _serve(args, spec, config, sock) -> int:
         engine.warmup()
     app = create_app(EngineWorker(engine), name, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
-    what = f"{spec.method} k={k}{' (dynamic)' if spec.dynamic_k else ''}" if spec.enabled else "no speculation"
+    what = (f"{spec.method} k={spec.num_speculative_tokens}{' (dynamic)' if spec.dynamic_k else ''}"
+            if spec.enabled else "no speculation")
     print(f"jspec serve: {name} ({what}, {config.max_num_seqs} slots, max_model_len {max_model_len}) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     return server.run(app, sock, log_level=args.log_level)

@@ -190,7 +190,7 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     params = engine.runner.params if params is None else params
     out = []
     for q in q_lens:
-        fn = verify_step_fn(engine, q)
+        fn = target_step_fn(engine, q)
         args = (params, state) if q == 1 else (params, state, jnp.tile(state.tokens[:, :1], (1, q - 1)))
         by_cat, _ = trace_ops(fn, args, repeats)
         best = best_ms(fn, *args, repeats=repeats)
@@ -198,11 +198,12 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     return out
 
 
-def verify_step_fn(engine: LLMEngine, q_len: int):
-    """The jitted target step of ``engine``'s model at ``q_len``: ``fn(params, state)`` the plain
-    one-token step (q_len 1, forward + greedy pick: the next token [B]) or ``fn(params, state, drafts [B, q_len - 1])`` the
-    verification forward of the drafts plus greedy acceptance (accepted counts, next tokens).
-    ``state`` is the engine's decode state without drafter state."""
+def target_step_fn(engine: LLMEngine, q_len: int):
+    """The jitted target step of ``engine``'s model at ``q_len``. q_len 1: ``fn(params, state)``,
+    the plain one-token step (forward + greedy pick: the next token [B]). Otherwise
+    ``fn(params, state, drafts [B, q_len - 1])``, the verification forward of the drafts plus
+    greedy acceptance (accepted counts, next tokens). ``state``: the engine's decode state
+    without drafter state."""
     cfg = engine.model.config
     eos, attn = tuple(cfg.eos_token_ids), engine._steps[0].attention
     if q_len == 1:
