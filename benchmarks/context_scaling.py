@@ -5,9 +5,13 @@
 
 For each context length an engine holds one request whose prompt is that many tokens of
 HumanEval text (problems concatenated), prefilled and decoded a few steps
-(``jspec.engine.profile.prepared_engine``). On that state it times the jitted target step the
-engine runs: a one-token decode forward (q_len 1) and the verification forward of k drafts plus
-greedy acceptance (q_len k + 1). The contexts are timed in interleaved rounds (every context
+(``jspec.engine.profile.prepared_engine``); every engine has the same page pool (sized for the
+longest context), so that only the context differs. On that state it times the jitted target
+step as the engine runs it, the state donated (``jspec.engine.profile.StepLoop``): a one-token
+decode forward (q_len 1) and the verification forward of k drafts plus greedy acceptance
+(q_len k + 1). ``--no-donate`` times the same functions without the donation, as this script
+did before 2026-12-01: then XLA copies every layer's pages before writing into them, a cost of
+the pool's size. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
 context's decode step, and verify / decode at each context.
@@ -19,11 +23,10 @@ import argparse
 
 import common
 import jax
-import jax.numpy as jnp
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import best_ms, prepared_engine, target_step_fn
+from jspec.engine.profile import StepLoop, best_ms, prepared_engine
 
 
 def main():
@@ -33,6 +36,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--no-donate", action="store_true", help="time without donating the state (copies the pool)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     model = jspec.load_model()
@@ -40,26 +44,25 @@ def main():
     ids = model.tokenizer(text)["input_ids"]
     if len(ids) < max(contexts):
         raise SystemExit(f"only {len(ids)} tokens of prompt text; lower --contexts")
-    print(f"machine: {common.machine()}, git {common.git_rev()}, attention {args.attention}")
+    print(f"machine: {common.machine()}, git {common.git_rev()}, attention {args.attention}, "
+          f"{'not donated' if args.no_donate else 'donated'}")
     print(f"SmolLM2-135M-Instruct (float32), batch 1, k = {args.k}; best over {args.rounds} interleaved rounds "
           f"of best-of-{args.repeats} calls, ms")
-    cases = {}  # (context, q_len) -> (fn, args)
+    cases = {}  # (context, q_len) -> a zero-argument step
     for c in contexts:
-        engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention)
-        state = engine.runner.state.replace(drafter=None)
-        params = engine.runner.params
-        decode = target_step_fn(engine, 1)
-        verify = target_step_fn(engine, args.k + 1)
-        drafts = jnp.tile(state.tokens[:, :1], (1, args.k))
-        cases[(c, 1)] = (decode, (params, state))
-        cases[(c, args.k + 1)] = (verify, (params, state, drafts))
-        for fn, a in (cases[(c, 1)], cases[(c, args.k + 1)]):
-            jax.block_until_ready(fn(*a))  # compile
-        print(f"  context {c}: prepared (kv length {int(state.cache.lengths[0])})", flush=True)
+        engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention,
+                                 extra_tokens=max(contexts) - c)
+        for q in (1, args.k + 1):
+            loop = StepLoop(engine, q)
+            cases[(c, q)] = _undonated(loop) if args.no_donate else loop
+            jax.block_until_ready(cases[(c, q)]())  # compile
+        cache = engine.runner.state.cache
+        print(f"  context {c}: prepared (kv length {int(cache.lengths[0])}, {cache.num_pages} pages of "
+              f"{cache.page_size})", flush=True)
     best = {key: float("inf") for key in cases}
     for _ in range(args.rounds):
-        for key, (fn, a) in cases.items():
-            best[key] = min(best[key], best_ms(fn, *a, repeats=args.repeats, compile=False))
+        for key, fn in cases.items():
+            best[key] = min(best[key], best_ms(fn, repeats=args.repeats, compile=False))
     base = best[(contexts[0], 1)]
     rows = []
     for c in contexts:
@@ -69,6 +72,12 @@ def main():
                      "verify / decode": f"{v / d:.2f}x"})
     print()
     print(common.table(rows, list(rows[0])))
+
+
+def _undonated(loop: StepLoop):
+    """The loop's step without the donation: every call starts from the same state."""
+    fn = jax.jit(loop.fn.__wrapped__)
+    return lambda: fn(loop.params, loop.state, *loop.extra)[0]
 
 
 if __name__ == "__main__":

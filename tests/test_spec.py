@@ -3,7 +3,9 @@ an accepted block, metrics, sampled output distribution, and bad input."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jspec
@@ -136,16 +138,22 @@ def test_profile_step_times_draft_and_verify(target):
 def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     """The q_len 1 function is the plain step (its next token); the q_len k + 1 function
     verifies k given drafts: with that token as the first draft at least one is accepted, with
-    another token none; profile_ops times each q_len and attributes time to the LM head."""
+    another token none. Each donates its state and hands back one that repeats the same step:
+    the lengths it came with and the same answer the next time. profile_ops times each q_len
+    and attributes time to the LM head."""
     from jspec.engine.profile import prepared_engine, profile_ops, target_step_fn
 
     engine = prepared_engine(target, PROMPTS[0], jspec.SpecConfig("ngram", 2), warm_steps=2)
-    state = engine.runner.state.replace(drafter=None)
-    nxt = target_step_fn(engine, 1)(engine.runner.params, state)
+    state = jax.tree.map(jnp.copy, engine.runner.state.replace(drafter=None))
+    lengths = np.asarray(state.cache.lengths)
+    nxt, state = target_step_fn(engine, 1)(engine.runner.params, state)
     assert nxt.shape == (state.batch,)
+    again, state = target_step_fn(engine, 1)(engine.runner.params, state)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(nxt))
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), lengths)
     wrong = (nxt + 1) % target.config.vocab_size
-    accepted, _ = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
-    rejected, _ = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
+    (accepted, _), state = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
+    (rejected, _), state = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
     assert int(accepted[0]) >= 1 and int(rejected[0]) == 0
     profs = profile_ops(target, PROMPTS[0], (1, 3), repeats=2, engine=engine)
     assert [p.q_len for p in profs] == [1, 3] and all(p.best_ms > 0 for p in profs)

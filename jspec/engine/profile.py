@@ -15,6 +15,7 @@ projection, attention, the cache write, norms and RoPE, acceptance.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import re
 import statistics
@@ -143,19 +144,25 @@ class OpProfile:
 
 def trace_ops(fn, args, repeats: int = 10) -> tuple[dict, float]:
     """Run the jitted ``fn(*args)`` ``repeats`` times under ``jax.profiler``; returns (category
-    -> median ms per call, median wall ms per call). Categories come from :data:`OP_CATEGORIES`."""
+    -> median ms per call, median wall ms per call). Categories come from :data:`OP_CATEGORIES`.
+    ``fn`` may be a :class:`StepLoop` (its state threads through the calls)."""
     from jax.profiler import ProfileData
 
-    compiled = fn.lower(*args).compile()
-    scopes = _op_scopes(compiled.as_text())
-    jax.block_until_ready(compiled(*args))
+    if isinstance(fn, StepLoop):
+        scopes = _op_scopes(fn.compiled_text())
+        call = fn
+    else:
+        compiled = fn.lower(*args).compile()
+        scopes = _op_scopes(compiled.as_text())
+        call = functools.partial(compiled, *args)
+    jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             walls = []
             for i in range(repeats):
                 with jax.profiler.TraceAnnotation(f"profile_call_{i}"):
                     t = time.perf_counter()
-                    jax.block_until_ready(compiled(*args))
+                    jax.block_until_ready(call())
                     walls.append((time.perf_counter() - t) * 1e3)
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     calls: list[tuple[int, int]] = []
@@ -186,37 +193,68 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     engine's)."""
     kmax = max(q_lens) - 1
     engine = engine or prepared_engine(model, prompt, SpecConfig("ngram", max(kmax, 1)), attention=attention)
-    state = engine.runner.state.replace(drafter=None)
     params = engine.runner.params if params is None else params
     out = []
     for q in q_lens:
-        fn = target_step_fn(engine, q)
-        args = (params, state) if q == 1 else (params, state, jnp.tile(state.tokens[:, :1], (1, q - 1)))
-        by_cat, _ = trace_ops(fn, args, repeats)
-        best = best_ms(fn, *args, repeats=repeats)
+        loop = StepLoop(engine, q, params)
+        by_cat, _ = trace_ops(loop, (), repeats)
+        best = best_ms(loop, repeats=repeats)
         out.append(OpProfile(q, float("nan"), best, by_cat))
     return out
 
 
 def target_step_fn(engine: LLMEngine, q_len: int):
-    """The jitted target step of ``engine``'s model at ``q_len``. q_len 1: ``fn(params, state)``,
-    the plain one-token step (forward + greedy pick: the next token [B]). Otherwise
-    ``fn(params, state, drafts [B, q_len - 1])``, the verification forward of the drafts plus
-    greedy acceptance (accepted counts, next tokens). ``state``: the engine's decode state
-    without drafter state."""
+    """The jitted target step of ``engine``'s model at ``q_len``, as the engine runs it: the
+    decode state is donated, so the K/V writes land in place in the page pool. q_len 1:
+    ``fn(params, state) -> (next token [B], state)``, the plain one-token step (forward +
+    greedy pick). Otherwise ``fn(params, state, drafts [B, q_len - 1]) -> ((accepted counts,
+    next tokens), state)``, the verification forward of the drafts plus greedy acceptance.
+    ``state``: the engine's decode state without drafter state. The returned state holds the
+    written pages and the cache lengths it came with, so a call on it repeats the same step.
+
+    Without the donation XLA copies every layer's pages before writing into them: a cost that
+    grows with the pool, not the context, and that the engine's steps never pay."""
     cfg = engine.model.config
     eos, attn = tuple(cfg.eos_token_ids), engine._steps[0].attention
+
+    def same_step_again(state, cache):
+        return state.replace(cache=cache.replace(lengths=state.cache.lengths))
+
     if q_len == 1:
-        return jax.jit(lambda p, s: plain_token_step(p, cfg, attn, s, s.cache)[2])
+        def decode(p, s):
+            cache, _, nxt, _ = plain_token_step(p, cfg, attn, s, s.cache)
+            return nxt, same_step_again(s, cache)
+
+        return jax.jit(decode, donate_argnums=1)
     step = SpecStep(cfg, eos, attn, NgramDrafter(q_len - 1))
 
     def verify(p, s, d):
         num = jnp.full((s.batch,), q_len - 1, jnp.int32)
         prop = Proposal(d, None, None, s.cache, num)
-        _, (_, n, nxt, _) = step._verify(p, s, prop, num, None, s.cache)
-        return n, nxt
+        cache, (_, n, nxt, _) = step._verify(p, s, prop, num, None, s.cache)
+        return (n, nxt), same_step_again(s, cache)
 
-    return jax.jit(verify)
+    return jax.jit(verify, donate_argnums=1)
+
+
+class StepLoop:
+    """``target_step_fn(engine, q_len)`` called again and again on one state, threading the
+    donated state through the calls: ``loop()`` runs one step and returns its result. Starts
+    from a copy of the engine's decode state (the engine's own stays valid); the drafts of a
+    verification step are the last token repeated."""
+
+    def __init__(self, engine: LLMEngine, q_len: int, params=None):
+        self.fn = target_step_fn(engine, q_len)
+        self.params = engine.runner.params if params is None else params
+        self.state = jax.tree.map(jnp.copy, engine.runner.state.replace(drafter=None))
+        self.extra = () if q_len == 1 else (jnp.tile(self.state.tokens[:, :1], (1, q_len - 1)),)
+
+    def __call__(self):
+        out, self.state = self.fn(self.params, self.state, *self.extra)
+        return out
+
+    def compiled_text(self) -> str:
+        return self.fn.lower(self.params, self.state, *self.extra).compile().as_text()
 
 
 def _round_up(n: int, m: int) -> int:
