@@ -158,3 +158,13 @@ def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     profs = profile_ops(target, PROMPTS[0], (1, 3), repeats=2, engine=engine)
     assert [p.q_len for p in profs] == [1, 3] and all(p.best_ms > 0 for p in profs)
     assert profs[1].by_category.get("lm_head", 0) > 0
+
+
+def test_trace_ops_counts_a_loop_once_not_its_body_again():
+    """A while thunk's trace event spans its body's events on the same thread: only the
+    outermost ones count, so the categories cannot add up to more than the calls took."""
+    from jspec.engine.profile import _outermost
+
+    ops = [(100, 50, "attention"), (0, 10, "lm_head"), (110, 5, "attention"), (120, 30, "attention"),
+           (160, 5, "norms"), (150, 10, "kv_write")]
+    assert _outermost(ops) == [(0, 10, "lm_head"), (100, 50, "attention"), (150, 10, "kv_write"), (160, 5, "norms")]

@@ -131,6 +131,18 @@ def categorize(op_name: str) -> str:
     return "other"
 
 
+def _outermost(ops: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The events of one thread that no other contains: a ``while`` thunk's event spans its
+    body's thunks (and the loop's own overhead between them), which have events of their own
+    and would otherwise count twice."""
+    out, end = [], -1
+    for op in sorted(ops, key=lambda o: (o[0], -o[1])):
+        if op[0] >= end:
+            out.append(op)
+            end = op[0] + op[1]
+    return out
+
+
 @dataclasses.dataclass
 class OpProfile:
     q_len: int
@@ -169,11 +181,13 @@ def trace_ops(fn, args, repeats: int = 10) -> tuple[dict, float]:
     events = []
     for plane in data.planes:
         for line in plane.lines:
+            ops = []
             for e in line.events:
                 if e.name.startswith("profile_call_"):
                     calls.append((e.start_ns, e.start_ns + e.duration_ns))
                 elif e.name in scopes:
-                    events.append((e.start_ns, e.duration_ns, categorize(scopes[e.name])))
+                    ops.append((e.start_ns, e.duration_ns, categorize(scopes[e.name])))
+            events += _outermost(ops)
     per_call = [dict() for _ in calls]
     calls.sort()
     for start, dur, cat in events:
