@@ -78,7 +78,10 @@ def prepared_engine(model, prompt, spec: SpecConfig, sampling: SamplingParams = 
 
 def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
                  warm_steps: int = 4, repeats: int = 10, attention: str = "auto") -> StepProfile:
-    """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``."""
+    """Best-of-``repeats`` milliseconds of the parts of one speculative step on ``prompt``.
+    These calls do not donate their state, so each includes a copy of the page pool (small for
+    the short prompts this is run on); :class:`StepLoop` times the target step as the engine
+    runs it."""
     k = spec.num_speculative_tokens
     engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
     state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
@@ -255,7 +258,7 @@ class StepLoop:
     """``target_step_fn(engine, q_len)`` called again and again on one state, threading the
     donated state through the calls: ``loop()`` runs one step and returns its result. Starts
     from a copy of the engine's decode state (the engine's own stays valid); the drafts of a
-    verification step are the last token repeated."""
+    verification step are the token buffer's first token repeated."""
 
     def __init__(self, engine: LLMEngine, q_len: int, params=None):
         self.fn = target_step_fn(engine, q_len)
