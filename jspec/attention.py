@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jspec.errors import ConfigError
 
 ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
-# Keys per loop iteration of the xla path. On the 2-core CPU VM, SmolLM2-135M, a donated decode
-# step at 1,000 tokens of context cost 1.10-1.15x one at 100 with 512 against 1.20-1.28x with
-# 256, the same at 100 tokens, and a 1,000-token prefill no slower (BENCHMARKS.md, issue 11).
-BLOCK_KEYS = 512
+# Keys per loop iteration of the xla path. 512 made a decode step at 1,000 tokens of context
+# cheaper (1.10-1.15x one at 100, against 1.20-1.28x), but generation on short prompts slower
+# (batch 1 6-19%, batch 8 ~25%: one trip of 512 keys where ~180 are live); BENCHMARKS.md, issue 11.
+BLOCK_KEYS = 256
 
 
 def resolve(impl: str = "auto", backend: str | None = None) -> str:
