@@ -15,7 +15,6 @@ projection, attention, the cache write, norms and RoPE, acceptance.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import re
 import statistics
@@ -157,27 +156,20 @@ class OpProfile:
         return [str(self.q_len), f"{self.best_ms:.1f}"] + [f"{self.by_category.get(c, 0.0):.1f}" for c in categories]
 
 
-def trace_ops(fn, args, repeats: int = 10) -> tuple[dict, float]:
-    """Run the jitted ``fn(*args)`` ``repeats`` times under ``jax.profiler``; returns (category
-    -> median ms per call, median wall ms per call). Categories come from :data:`OP_CATEGORIES`.
-    ``fn`` may be a :class:`StepLoop` (its state threads through the calls)."""
+def trace_ops(loop: "StepLoop", repeats: int = 10) -> tuple[dict, float]:
+    """Run ``loop()`` ``repeats`` times under ``jax.profiler``; returns (category -> median ms
+    per call, median wall ms per call). Categories come from :data:`OP_CATEGORIES`."""
     from jax.profiler import ProfileData
 
-    if isinstance(fn, StepLoop):
-        scopes = _op_scopes(fn.compiled_text())
-        call = fn
-    else:
-        compiled = fn.lower(*args).compile()
-        scopes = _op_scopes(compiled.as_text())
-        call = functools.partial(compiled, *args)
-    jax.block_until_ready(call())
+    scopes = _op_scopes(loop.compiled.as_text())
+    jax.block_until_ready(loop())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             walls = []
             for i in range(repeats):
                 with jax.profiler.TraceAnnotation(f"profile_call_{i}"):
                     t = time.perf_counter()
-                    jax.block_until_ready(call())
+                    jax.block_until_ready(loop())
                     walls.append((time.perf_counter() - t) * 1e3)
         data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     calls: list[tuple[int, int]] = []
@@ -214,7 +206,7 @@ def profile_ops(model, prompt, q_lens: Sequence[int] = (1, 2, 5, 9), *, repeats:
     out = []
     for q in q_lens:
         loop = StepLoop(engine, q, params)
-        by_cat, _ = trace_ops(loop, (), repeats)
+        by_cat, _ = trace_ops(loop, repeats)
         best = best_ms(loop, repeats=repeats)
         out.append(OpProfile(q, float("nan"), best, by_cat))
     return out
@@ -265,13 +257,11 @@ class StepLoop:
         self.params = engine.runner.params if params is None else params
         self.state = jax.tree.map(jnp.copy, engine.runner.state.replace(drafter=None))
         self.extra = () if q_len == 1 else (jnp.tile(self.state.tokens[:, :1], (1, q_len - 1)),)
+        self.compiled = self.fn.lower(self.params, self.state, *self.extra).compile()  # once: timed and traced
 
     def __call__(self):
-        out, self.state = self.fn(self.params, self.state, *self.extra)
+        out, self.state = self.compiled(self.params, self.state, *self.extra)
         return out
-
-    def compiled_text(self) -> str:
-        return self.fn.lower(self.params, self.state, *self.extra).compile().as_text()
 
 
 def _round_up(n: int, m: int) -> int:
