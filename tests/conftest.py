@@ -34,6 +34,60 @@ if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_C
         sys.modules["jax"].config.update("jax_compilation_cache_dir", _XLA_CACHE)
 
 
+# XLA's CPU backend compiles each fusion with its MLIR fusion emitters, paying a fixed cost per
+# fusion (an MLIR context with its dialects); its older elemental emitters cost, per fusion, a walk
+# of the whole module. So the older ones compile a small program faster (a tiny model's step:
+# ~40% less) and a large one slower (the real model's 30-layer step: +18%, quadratic). In this
+# process small programs compile with the older emitters and programs of
+# JSPEC_TEST_FUSION_EMITTER_OPS operations or more (default 10,000: a 12-layer tiny model's step
+# is ~17,000, the real model's ~39,000) with XLA's default; both emit the same operations.
+# Subprocesses (CLI, server, notebooks) start with XLA's defaults. 0 turns this off.
+_FUSION_EMITTER_OPS = int(os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000"))
+
+
+def _small_programs_without_fusion_emitters(threshold: int) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if threshold <= 0 or "xla_cpu_use_fusion_emitters" in flags:
+        return  # turned off, or set by hand
+    if "jax" in sys.modules and sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
+        return  # too late: the backend has read XLA_FLAGS
+    # The process-wide default (XLA reads XLA_FLAGS once, when the backend starts); then the
+    # environment is put back, so that subprocesses and the persistent cache's keys see the
+    # flags they would have without this.
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_use_fusion_emitters=false".strip()
+    import jax
+
+    jax.devices("cpu")
+    os.environ["XLA_FLAGS"] = flags
+
+    from jax._src import compiler
+    from jax._src.lib.mlir import ir
+
+    original = compiler.compile_or_get_cached
+
+    def num_ops(module, limit=threshold) -> int:
+        n = 0
+
+        def count(op):
+            nonlocal n
+            n += 1
+            return ir.WalkResult.INTERRUPT if n >= limit else ir.WalkResult.ADVANCE
+
+        module.operation.walk(count)
+        return n
+
+    def compile_or_get_cached(backend, computation, devices, compile_options, *args, **kwargs):
+        if num_ops(computation) >= threshold:  # a large program: XLA's default emitters
+            compile_options.env_option_overrides = [*compile_options.env_option_overrides,
+                                                    ("xla_cpu_use_fusion_emitters", True)]
+        return original(backend, computation, devices, compile_options, *args, **kwargs)
+
+    compiler.compile_or_get_cached = compile_or_get_cached
+
+
+_small_programs_without_fusion_emitters(_FUSION_EMITTER_OPS)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
