@@ -65,19 +65,19 @@ def _small_programs_without_fusion_emitters(threshold: int) -> None:
 
     original = compiler.compile_or_get_cached
 
-    def num_ops(module, limit=threshold) -> int:
+    def is_large(module) -> bool:
         n = 0
 
-        def count(op):
+        def count(op):  # stops at the threshold: a large module is not walked to its end
             nonlocal n
             n += 1
-            return ir.WalkResult.INTERRUPT if n >= limit else ir.WalkResult.ADVANCE
+            return ir.WalkResult.INTERRUPT if n >= threshold else ir.WalkResult.ADVANCE
 
         module.operation.walk(count)
-        return n
+        return n >= threshold
 
     def compile_or_get_cached(backend, computation, devices, compile_options, *args, **kwargs):
-        if num_ops(computation) >= threshold:  # a large program: XLA's default emitters
+        if is_large(computation):  # XLA's default emitters
             compile_options.env_option_overrides = [*compile_options.env_option_overrides,
                                                     ("xla_cpu_use_fusion_emitters", True)]
         return original(backend, computation, devices, compile_options, *args, **kwargs)
