@@ -38,34 +38,24 @@ if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_C
 # fusion (an MLIR context with its dialects); its older elemental emitters cost, per fusion, a walk
 # of the whole module. So the older ones compile a small program faster (a tiny model's step:
 # ~40% less) and a large one slower (the real model's 30-layer step: +18%, quadratic). In this
-# process small programs compile with the older emitters and programs of
-# JSPEC_TEST_FUSION_EMITTER_OPS operations or more (default 10,000: a 12-layer tiny model's step
-# is ~17,000, the real model's ~39,000) with XLA's default; both emit the same operations.
-# Subprocesses (CLI, server, notebooks) start with XLA's defaults. 0 turns this off.
+# process a program of fewer than JSPEC_TEST_FUSION_EMITTER_OPS operations (default 10,000: a
+# 4-layer tiny model's step is 5-7k, a 12-layer one's ~17k, the real model's 22-39k) compiles with
+# the older emitters, through its compile's option overrides; larger ones compile exactly as XLA's
+# defaults would, with no override, so their persistent-cache keys are the ones the CLI, server and
+# notebook subprocesses (started with XLA's defaults) compute for the same programs. Both emitters
+# emit the same operations. 0 turns this off.
 _FUSION_EMITTER_OPS = int(os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000"))
 
 
 def _small_programs_without_fusion_emitters(threshold: int) -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if threshold <= 0 or "xla_cpu_use_fusion_emitters" in flags:
+    if threshold <= 0 or "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", ""):
         return  # turned off, or set by hand
-    if "jax" in sys.modules and sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
-        return  # too late: the backend has read XLA_FLAGS
-    # The process-wide default (XLA reads XLA_FLAGS once, when the backend starts); then the
-    # environment is put back, so that subprocesses and the persistent cache's keys see the
-    # flags they would have without this.
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_use_fusion_emitters=false".strip()
-    import jax
-
-    jax.devices("cpu")
-    os.environ["XLA_FLAGS"] = flags
-
     from jax._src import compiler
     from jax._src.lib.mlir import ir
 
     original = compiler.compile_or_get_cached
 
-    def is_large(module) -> bool:
+    def is_small(module) -> bool:
         n = 0
 
         def count(op):  # stops at the threshold: a large module is not walked to its end
@@ -74,12 +64,12 @@ def _small_programs_without_fusion_emitters(threshold: int) -> None:
             return ir.WalkResult.INTERRUPT if n >= threshold else ir.WalkResult.ADVANCE
 
         module.operation.walk(count)
-        return n >= threshold
+        return n < threshold
 
     def compile_or_get_cached(backend, computation, devices, compile_options, *args, **kwargs):
-        if is_large(computation):  # XLA's default emitters
+        if is_small(computation):  # XLA's older elemental emitters
             compile_options.env_option_overrides = [*compile_options.env_option_overrides,
-                                                    ("xla_cpu_use_fusion_emitters", True)]
+                                                    ("xla_cpu_use_fusion_emitters", False)]
         return original(backend, computation, devices, compile_options, *args, **kwargs)
 
     compiler.compile_or_get_cached = compile_or_get_cached

@@ -106,16 +106,17 @@ def _stop(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def _process(tmp_path_factory):
-    """The server process, started first so that it loads while the offline reference runs."""
+    """The server process; it loads the model and compiles every step variant before /health answers."""
     server = _start(tmp_path_factory.mktemp("serve"))
     yield server
     _stop(server)
 
 
 @pytest.fixture(scope="module")
-def offline(_process, smollm2):
+def offline(server, smollm2):
     """The engine's own greedy output for PROMPTS (plain) and CHAT (chat template), in-process,
-    with the server's engine settings."""
+    with the server's engine settings. It runs after the server's warm-up, so its programs (the
+    same as the server's) come from the session's persistent compilation cache."""
     from jspec.config import EngineConfig, SamplingParams, SpecConfig
     from jspec.engine.engine import LLMEngine
 
@@ -137,7 +138,7 @@ def offline(_process, smollm2):
 
 
 @pytest.fixture(scope="module")
-def server(_process, offline):
+def server(_process):
     _wait_ready(_process)
     # warm up once (the first request through every layer)
     _process.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
