@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -15,6 +16,16 @@ from jspec.loading import LoadedModel
 TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                    max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=(1,))
+
+
+def tiny_subprocess_xla_flags(flags: str) -> str:
+    """``XLA_FLAGS`` for a subprocess that runs tiny models only (the notebooks, the
+    tensor-parallel runs): XLA CPU's older elemental emitters, which compile small programs
+    faster, as conftest.py has this process compile its small ones. Off with
+    JSPEC_TEST_FUSION_EMITTER_OPS=0, or when the flag is already set."""
+    if os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000") == "0" or "xla_cpu_use_fusion_emitters" in flags:
+        return flags
+    return f"{flags} --xla_cpu_use_fusion_emitters=false".strip()
 
 
 def tiny_config(**kw) -> ModelConfig:

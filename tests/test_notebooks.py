@@ -8,6 +8,7 @@ look for the lines each notebook prints.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
+
+from helpers import tiny_subprocess_xla_flags  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -31,6 +34,7 @@ def run_notebook(tiny_model_dir, monkeypatch):
     """Execute ``notebooks/<name>`` on the tiny model; returns (notebook, its text output)."""
     monkeypatch.setenv("JSPEC_NOTEBOOK_MODEL", str(tiny_model_dir))  # the kernel inherits it
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("XLA_FLAGS", tiny_subprocess_xla_flags(os.environ.get("XLA_FLAGS", "")))
 
     def run(name: str):
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)

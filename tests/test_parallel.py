@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import parallel_helpers as ph
+from helpers import tiny_subprocess_xla_flags
 from jspec import parallel
 from jspec.errors import ConfigError
 from jspec.models.tensor_parallel import _gate_up, _qkv, tp_config
@@ -27,7 +28,8 @@ HERE = Path(__file__).parent
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    flags = tiny_subprocess_xla_flags(env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     env.pop("JSPEC_COORDINATOR_ADDRESS", None)
     return env
