@@ -41,9 +41,10 @@ if os.environ.get("JSPEC_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_C
 # process a program of fewer than JSPEC_TEST_FUSION_EMITTER_OPS operations (default 10,000: a
 # 4-layer tiny model's step is 5-7k, a 12-layer one's ~17k, the real model's 22-39k) compiles with
 # the older emitters, through its compile's option overrides; larger ones compile exactly as XLA's
-# defaults would, with no override, so their persistent-cache keys are the ones the CLI, server and
-# notebook subprocesses (started with XLA's defaults) compute for the same programs. Both emitters
-# emit the same operations. 0 turns this off.
+# defaults would, with no override, so their persistent-cache keys are the ones the CLI and server
+# subprocesses (started with XLA's defaults) compute for the same programs. Subprocesses that run
+# tiny models only (notebooks, tensor parallelism) get the older emitters through their XLA_FLAGS
+# (helpers.tiny_subprocess_xla_flags). Both emitters emit the same operations. 0 turns this off.
 _FUSION_EMITTER_OPS = int(os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000"))
 
 
