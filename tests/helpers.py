@@ -22,8 +22,8 @@ def tiny_subprocess_xla_flags(flags: str) -> str:
     """``XLA_FLAGS`` for a subprocess that runs tiny models only (the notebooks, the
     tensor-parallel runs): XLA CPU's older elemental emitters, which compile small programs
     faster, as conftest.py has this process compile its small ones. Off with
-    JSPEC_TEST_FUSION_EMITTER_OPS=0, or when the flag is already set."""
-    if os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000") == "0" or "xla_cpu_use_fusion_emitters" in flags:
+    JSPEC_TEST_FUSION_EMITTER_OPS <= 0 (as conftest.py reads it), or when the flag is already set."""
+    if int(os.environ.get("JSPEC_TEST_FUSION_EMITTER_OPS", "10000")) <= 0 or "xla_cpu_use_fusion_emitters" in flags:
         return flags
     return f"{flags} --xla_cpu_use_fusion_emitters=false".strip()
 
