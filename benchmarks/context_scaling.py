@@ -2,6 +2,7 @@
 
     python benchmarks/context_scaling.py [--contexts 100,250,500,1000] [--k 4] [--rounds 3]
                                          [--repeats 10] [--attention auto]
+                                         [--compare-small-row-weights]
 
 For each context length an engine holds one request whose prompt is that many tokens of
 HumanEval text (problems concatenated), prefilled and decoded a few steps
@@ -14,7 +15,10 @@ did before 2026-12-01: then XLA copies every layer's pages before writing into t
 the pool's size. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
-context's decode step, and verify / decode at each context.
+context's decode step, and verify / decode at each context. ``--compare-small-row-weights``
+adds the same steps with the transposed weight copy that ``EngineConfig(small_row_weights=True)``
+keeps (and the CPU small-row kernel that reads it, ``pallas_kernels.small_rows``), timed in
+the same rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax
 import jspec
 from jspec.config import SpecConfig
 from jspec.engine.profile import StepLoop, best_ms, prepared_engine
+from jspec.models.llama import with_small_row_weights
 
 
 def main():
@@ -37,6 +42,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--no-donate", action="store_true", help="time without donating the state (copies the pool)")
+    ap.add_argument("--compare-small-row-weights", action="store_true",
+                    help="also time every step with the small-row weight copy")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     model = jspec.load_model()
@@ -48,14 +55,18 @@ def main():
           f"{'not donated' if args.no_donate else 'donated'}")
     print(f"SmolLM2-135M-Instruct (float32), batch 1, k = {args.k}; best over {args.rounds} interleaved rounds "
           f"of best-of-{args.repeats} calls, ms")
-    cases = {}  # (context, q_len) -> a zero-argument step
+    variants = {"": None}
+    if args.compare_small_row_weights:
+        variants[" (copy)"] = with_small_row_weights(model.params)
+    cases = {}  # (context, q_len, variant) -> a zero-argument step
     for c in contexts:
         engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention,
                                  extra_tokens=max(contexts) - c)
         for q in (1, args.k + 1):
-            loop = StepLoop(engine, q)
-            cases[(c, q)] = _undonated(loop) if args.no_donate else loop
-            jax.block_until_ready(cases[(c, q)]())  # compile
+            for v, params in variants.items():
+                loop = StepLoop(engine, q, params=params)
+                cases[(c, q, v)] = _undonated(loop) if args.no_donate else loop
+                jax.block_until_ready(cases[(c, q, v)]())  # compile
         cache = engine.runner.state.cache
         print(f"  context {c}: prepared (kv length {int(cache.lengths[0])}, {cache.num_pages} pages of "
               f"{cache.page_size})", flush=True)
@@ -63,13 +74,14 @@ def main():
     for _ in range(args.rounds):
         for key, fn in cases.items():
             best[key] = min(best[key], best_ms(fn, repeats=args.repeats, compile=False))
-    base = best[(contexts[0], 1)]
+    base = best[(contexts[0], 1, "")]
     rows = []
-    for c in contexts:
-        d, v = best[(c, 1)], best[(c, args.k + 1)]
-        rows.append({"context": c, "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
-                     f"verify k={args.k} ms": f"{v:.1f}", f"verify vs decode at {contexts[0]}": f"{v / base:.2f}x",
-                     "verify / decode": f"{v / d:.2f}x"})
+    for var in variants:
+        for c in contexts:
+            d, v = best[(c, 1, var)], best[(c, args.k + 1, var)]
+            rows.append({"context": f"{c}{var}", "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
+                         f"verify k={args.k} ms": f"{v:.1f}", f"verify vs decode at {contexts[0]}": f"{v / base:.2f}x",
+                         "verify / decode": f"{v / d:.2f}x"})
     print()
     print(common.table(rows, list(rows[0])))
 

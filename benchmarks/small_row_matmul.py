@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.small_rows import pack_rows, small_rows_matmul
+
 D, FF, LAYERS = 576, 1536, 30
 SHAPES = {"qkv": (D, 960), "o": (D, D), "gate_up": (D, 2 * FF), "down": (FF, D)}  # (in, out)
 
@@ -29,6 +31,10 @@ def _dot(x, w, how: str):
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
     if how == "row by row":
         return jnp.concatenate([x[i:i + 1] @ w for i in range(x.shape[0])], 0)
+    if how == "kernel, plain":  # w [out, in]: pallas_kernels.small_rows, one weight row at a time
+        return small_rows_matmul(x, w)
+    if how == "kernel, packed":  # w packed by pack_rows (what the engine keeps)
+        return small_rows_matmul(x, w, w.shape[0] * w.shape[2])
     if how == "multiply-reduce":  # w stored [out, in]: a loop fusion instead of a dot
         return jnp.sum(x[:, None, :] * w[None], axis=-1)
     return x @ w
@@ -46,6 +52,8 @@ def _layers(x, weights, how: str):
 VARIANTS = (
     ("jnp.dot, weights [in, out] (jspec today)", "default", {}),
     ("dot_general, weights [out, in]", "transposed", {}),
+    ("CPU small-row kernel, weights [out, in]", "kernel, plain", {}),
+    ("CPU small-row kernel, weights packed (the engine's copy)", "kernel, packed", {}),
     ("one matrix-vector product per row", "row by row", {}),
     ("multiply + reduce, weights [out, in]", "multiply-reduce", {}),
     ("XNNPACK dot fusion", "default", {"xla_cpu_experimental_xnn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}),
@@ -65,8 +73,9 @@ def main():
     qs = [int(q) for q in args.q_lens.split(",")]
     rng = np.random.default_rng(0)
     base = [{k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()} for _ in range(LAYERS)]
-    layouts = {False: [{k: jnp.asarray(v) for k, v in w.items()} for w in base],
-               True: [{k: jnp.asarray(v.T.copy()) for k, v in w.items()} for w in base]}
+    layouts = {"kernel": [{k: jnp.asarray(v) for k, v in w.items()} for w in base],
+               "rows": [{k: jnp.asarray(v.T.copy()) for k, v in w.items()} for w in base]}
+    layouts["packed"] = [{k: pack_rows(v) for k, v in w.items()} for w in layouts["rows"]]
     xs = {q: jnp.asarray(rng.standard_normal((q, D), dtype=np.float32)) for q in qs}
     print(f"machine: {common.machine()}, git {common.git_rev()}")
     print(f"30 layers of SmolLM2-135M projections, float32, best of {args.repeats} calls, ms "
@@ -75,7 +84,8 @@ def main():
     print("|---|" + "---|" * len(qs))
     ref = None
     for name, how, opts in VARIANTS:
-        weights = layouts[how in ("transposed", "multiply-reduce")]
+        weights = layouts["packed" if how == "kernel, packed" else
+                          "rows" if how in ("transposed", "multiply-reduce", "kernel, plain") else "kernel"]
         fn = jax.jit(lambda x, w, how=how: _layers(x, w, how), compiler_options=opts or None)
         cells = []
         for q in qs:

@@ -334,11 +334,12 @@ class EngineConfig:
     - ``seed``: seeds of requests that bring none are drawn from this;
     - ``tensor_parallel_size``: devices the target's heads, MLP and vocabulary (and the KV
       pages) are sharded over (:mod:`jspec.parallel`);
-    - ``small_row_weights``: keep a transposed copy of the target's layer projections for steps of
-      3-32 rows (:func:`jspec.models.llama.with_small_row_weights`; one device only). Off by
-      default: on the 2-core CPU it makes a k = 4 verification step ~0.8x, but end to end the
-      gain has not been measured above the machine's noise (BENCHMARKS.md), and it costs the
-      projections' memory again.
+    - ``small_row_weights``: keep a packed copy of the target's layer projections for steps of
+      1-8 rows, read by the CPU small-row kernel (:func:`jspec.models.llama.with_small_row_weights`,
+      ``pallas_kernels.small_rows``). ``None`` (the default): on where it applies (the CPU
+      backend, one device, a float32 target, the kernel built); ``False``: off; ``True``: on
+      wherever it applies (a warning where it does not). It costs the projections' memory once
+      more (425 MB for SmolLM2-135M).
     """
 
     max_num_seqs: int = 8
@@ -352,7 +353,7 @@ class EngineConfig:
     seed: int = 0
     shuffle_pages: bool = False  # hand out pages in a random order (tests that paging is real)
     tensor_parallel_size: int = 1  # devices the target is sharded over (jspec.parallel)
-    small_row_weights: bool = False
+    small_row_weights: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps",
@@ -370,7 +371,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer in [1, 2^31), got {v!r}")
         if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if not isinstance(self.small_row_weights, bool):
-            raise ConfigError(f"small_row_weights must be True or False, got {self.small_row_weights!r}")
+        if self.small_row_weights is not None and not isinstance(self.small_row_weights, bool):
+            raise ConfigError(f"small_row_weights must be None, True or False, got {self.small_row_weights!r}")
         if self.small_row_weights and self.tensor_parallel_size > 1:
             raise ConfigError("small_row_weights needs one device (tensor_parallel_size 1)")

@@ -1,6 +1,7 @@
-"""The transposed copy of the layer projections the engine can keep for steps of a few rows
-(``EngineConfig(small_row_weights=True)``, issue 11, item 2): same parameters as ``nn.Dense``,
-used exactly for the row counts it is meant for, and the engine's outputs unchanged by it."""
+"""The packed copy of the layer projections the engine keeps for steps of a few rows on the CPU
+small-row kernel (``EngineConfig(small_row_weights=...)``, issue 11, item 2): same parameters as
+``nn.Dense``, used exactly for the row counts it is meant for, and the engine's outputs
+unchanged by it."""
 
 import flax.linen as nn
 import jax
@@ -12,7 +13,9 @@ from helpers import tiny_config, tiny_model
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
 from jspec.errors import ConfigError
-from jspec.models.llama import PROJECTIONS, SMALL_ROWS, Linear, with_small_row_weights
+from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, with_small_row_weights
+from pallas_kernels import small_rows
+from pallas_kernels.small_rows import pack_rows, unpack_rows
 
 
 def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts():
@@ -22,15 +25,16 @@ def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts():
     assert jax.tree.map(lambda a, b: bool((a == b).all()), ours, dense) == {"params": {"bias": True, "kernel": True}}
     p = ours["params"]
     # a copy that is deliberately NOT the kernel's transpose shows which one each row count reads
-    doubled = {"params": {**p, "weight": 2 * p["kernel"].T}}
-    for rows in (1, 2, 3, 17, 32, 33, 64):
+    doubled = {"params": {**p, "weight": pack_rows(2 * p["kernel"].T)}}
+    for rows in (1, 2, 5, 8, 9, 17, 64):
         x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 8))
         plain = x @ p["kernel"]
         got = Linear(5, use_bias=True).apply(doubled, x) - p["bias"]
-        np.testing.assert_allclose(got, 2 * plain if rows in SMALL_ROWS else plain, rtol=1e-5, atol=1e-5)
+        reads_copy = rows in KERNEL_ROWS and small_rows.available()
+        np.testing.assert_allclose(got, 2 * plain if reads_copy else plain, rtol=1e-5, atol=1e-5)
 
 
-def test_with_small_row_weights_adds_the_transposes_of_the_layer_projections_only():
+def test_with_small_row_weights_adds_packed_transposes_of_the_layer_projections_only():
     model = tiny_model(tiny_config(num_layers=2))
     out = with_small_row_weights(model.params)
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): v
@@ -38,13 +42,14 @@ def test_with_small_row_weights_adds_the_transposes_of_the_layer_projections_onl
     weights = [k for k in flat if k.endswith("/weight")]
     assert len(weights) == 2 * len(PROJECTIONS)
     for k in weights:
-        np.testing.assert_array_equal(flat[k], flat[k[: -len("weight")] + "kernel"].T)
+        kernel = flat[k[: -len("weight")] + "kernel"]
+        np.testing.assert_array_equal(unpack_rows(flat[k], kernel.shape[1], kernel.shape[0]), kernel.T)
     n_before = len(jax.tree.leaves(model.params))
     assert len(flat) == n_before + len(weights)
 
 
-def _greedy(model, spec, small_rows, prompts):
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=96, small_row_weights=small_rows), spec)
+def _greedy(model, spec, copy, prompts):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=96, small_row_weights=copy), spec)
     has_copy = any(getattr(k, "key", None) == "weight"
                    for path, _ in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0] for k in path)
     for i, p in enumerate(prompts):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Optional, Sequence, Union
 
@@ -39,11 +40,13 @@ from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_up
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
-from jspec.models.llama import Segment, with_small_row_weights
+from jspec.models.llama import Segment, small_rows_apply, with_small_row_weights
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter
 from jspec.speculative.steps import PlainStep, SpecStep
 from jspec.timing import compile_seconds
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 MIN_CHUNK = 16
@@ -91,6 +94,16 @@ def _round_up(n: int, m: int) -> int:
 
 
 class LLMEngine:
+    @staticmethod
+    def _small_row_weights(config: EngineConfig, mc, device) -> bool:
+        """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
+        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and small_rows_apply(mc.dtype)
+        if config.small_row_weights and not applies:
+            log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, "
+                        "kernel built: %s); the engine runs without the copy", device.platform, mc.dtype,
+                        small_rows_apply("float32"))
+        return applies if config.small_row_weights is None else bool(config.small_row_weights) and applies
+
     def __init__(self, model, config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(), *,
                  drafter=None, drafter_params=None):
         if not isinstance(config, EngineConfig):
@@ -159,7 +172,8 @@ class LLMEngine:
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
-        params = with_small_row_weights(model.params) if config.small_row_weights else model.params
+        self.small_row_weights = self._small_row_weights(config, mc, device)
+        params = with_small_row_weights(model.params) if self.small_row_weights else model.params
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import attention as attention_lib
+from pallas_kernels import small_rows
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
@@ -176,19 +177,24 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
     return sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
 
 
-# With this many rows (a verification step's or a small batch's decoding step, not a prefill
-# chunk's), a projection runs from its transposed copy ``weight`` [out, in] when the parameters
-# carry one: on XLA's CPU backend that product costs less than against ``kernel`` [in, out]
-# (SmolLM2-135M's k = 4 verification ~0.8x), where one or two rows cost about the same or less
-# and a hundred rows more (BENCHMARKS.md, issue 11's small-row products).
-SMALL_ROWS = range(3, 33)
+# Products of this many rows (a decoding step of a few slots, a verification step; not a prefill
+# chunk or a large batch) run on the CPU small-row kernel (pallas_kernels.small_rows) when the
+# parameters carry a packed copy ``weight`` of a projection (with_small_row_weights) and the
+# kernel is built: it reads the weight once for up to 5 rows, where XLA's CPU dot re-packs it for
+# 2 or more. From 9 rows on XLA's own product is as fast or faster (BENCHMARKS.md, issue 11).
+KERNEL_ROWS = range(1, 9)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def small_rows_apply(dtype) -> bool:
+    """Whether a product in ``dtype`` can run on the CPU small-row kernel (float32, kernel built)."""
+    return jnp.dtype(dtype) == jnp.float32 and small_rows.available()
 
 
 class Linear(nn.Module):
     """``nn.Dense`` with the same parameters (``kernel`` [in, out], optional ``bias``), which also
-    uses a ``weight`` [out, in] beside ``kernel`` for products of :data:`SMALL_ROWS` rows
-    (see :func:`with_small_row_weights`)."""
+    reads a packed copy ``weight`` beside ``kernel`` for products of :data:`KERNEL_ROWS` rows on the
+    CPU small-row kernel (see :func:`with_small_row_weights`)."""
 
     features: int
     use_bias: bool = False
@@ -198,9 +204,8 @@ class Linear(nn.Module):
     def __call__(self, x):
         x = x.astype(self.dtype)
         rows = math.prod(x.shape[:-1])
-        if rows in SMALL_ROWS and self.has_variable("params", "weight"):
-            w = self.get_variable("params", "weight")
-            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.has_variable("params", "weight") and rows in KERNEL_ROWS and small_rows_apply(self.dtype):
+            y = small_rows.small_rows_matmul(x, self.get_variable("params", "weight"), self.features)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             y = jnp.dot(x, kernel)
@@ -210,17 +215,17 @@ class Linear(nn.Module):
 
 
 def with_small_row_weights(params):
-    """``params`` with a transposed copy ``weight`` [out, in] beside every decoder-layer
-    projection's ``kernel`` (the copy costs the projections' memory once more), for the CPU
-    backend, where a verification step alone then costs less (SmolLM2-135M's k = 4: ~0.8x; no
-    end-to-end gain shown yet, BENCHMARKS.md). Outputs equal the plain parameters' up to float
-    rounding (another summation order)."""
+    """``params`` with a packed copy ``weight`` (``pallas_kernels.small_rows.pack_rows`` of the
+    kernel's transpose) beside every decoder-layer projection's ``kernel``, which
+    :class:`Linear` reads for products of a few rows on the CPU small-row kernel. The copy costs
+    the projections' memory once more (425 MB for SmolLM2-135M in float32). Outputs equal the
+    plain parameters' up to float rounding (another summation order)."""
 
     def walk(tree):
         out = {}
         for name, sub in tree.items():
             if name in PROJECTIONS and "kernel" in sub:
-                sub = {**sub, "weight": jnp.asarray(sub["kernel"]).T.copy()}
+                sub = {**sub, "weight": small_rows.pack_rows(jnp.asarray(sub["kernel"]).T)}
             elif isinstance(sub, dict):
                 sub = walk(sub)
             out[name] = sub
@@ -313,7 +318,12 @@ class LlamaForCausalLM(nn.Module):
 
     def head(self, hidden):  # [..., H] (after the final norm) -> float32 logits [..., V]
         if self.config.tie_word_embeddings:
-            logits = self.embed_tokens.attend(hidden)
+            # the tied table is already rows [V, H]: a few rows go through the CPU kernel
+            rows = math.prod(hidden.shape[:-1])
+            if rows in KERNEL_ROWS and small_rows_apply(self.config.dtype):
+                logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), self.embed_tokens.embedding)
+            else:
+                logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

@@ -1,0 +1,169 @@
+// A few-row matrix product for XLA's CPU backend, as an XLA FFI custom call.
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k]      x [M, K], w [N, K] (rows of the weight), y [M, N]
+//
+// M is small (a decode step's rows, a verification's k + 1, a few slots of either): XLA's CPU
+// dot sends 2 or more rows through a general matrix product that re-packs the weight, so on
+// these CPUs a 5-row product there costs ~1.5x a 1-row one, though both read the same bytes.
+// Here the weight is read once, as sequential streams, and each loaded vector is multiplied by
+// several rows of x held in registers:
+//   - plain layout w [N, K] (the tied LM head's embedding table): one weight row at a time
+//     against up to 8 rows of x (reading several rows side by side streamed slower);
+//   - packed layout [N / 4, K / 16, 4, 16] (pallas_kernels.small_rows.pack_rows, made once when
+//     the engine loads the weights): 4 weight rows interleaved 16 floats at a time, one stream,
+//     each vector against up to 5 rows of x (5 x 4 accumulators).
+// More rows of x run in further tiles that re-read the weight tile from L1. Weight rows are
+// split into chunks that XLA's intra-op thread pool and the calling thread take from a shared
+// counter.
+//
+// Built at first use by pallas_kernels/small_rows.py with the machine's C++ compiler and
+// -march=native (the 16-lane vectors become AVX-512 where the CPU has it, two AVX2 registers
+// elsewhere). Python reference: pallas_kernels.small_rows.small_rows_matmul_reference.
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;           // floats per vector (AVX-512, or two AVX2 registers)
+constexpr int kPackRows = 4;         // weight rows interleaved by the packed layout
+constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
+constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4 accumulators)
+constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
+
+typedef float v16 __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(v16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// The weight rows n .. n + C of a tile: row j's floats k .. k + 16 sit at
+// wt + (k / 16) * step + j * jstride, and (plain layout only) a tail of K % 16 at wt + j * K + k.
+//   plain  [N, K]:                     wt = w + n K, step = 16,     jstride = K
+//   packed [N / 4, K / 16, 4, 16]:     wt = w + n K, step = 4 * 16, jstride = 16
+// y[m .. m + R, n .. n + C] for R rows of x. Each output is summed in the same order (16 lanes
+// along k, then the lanes) whatever R is, so a row's result does not depend on its neighbours.
+template <int R, int C>
+void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
+          int64_t step, int64_t jstride) {
+  v16 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = v16{};
+  int64_t k = 0;
+  const float* wk = wt;
+  for (; k + kLanes <= K; k += kLanes, wk += step) {
+    v16 xv[R];
+    for (int i = 0; i < R; ++i) xv[i] = load(x + (m + i) * K + k);
+    for (int j = 0; j < C; ++j) {
+      const v16 wv = load(wk + j * jstride);
+      for (int i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < C; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += x[(m + i) * K + t] * wt[j * K + t];
+      y[(m + i) * N + n + j] = s;
+    }
+  }
+}
+
+// Every row of x against one tile of C weight rows, MAXR rows of x at a time.
+template <int C, int MAXR>
+void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n,
+            int64_t step, int64_t jstride) {
+  int64_t m = 0;
+  for (; m + MAXR <= M; m += MAXR) tile<MAXR, C>(x, wt, y, K, N, m, n, step, jstride);
+  switch (M - m) {
+    case 7: if constexpr (MAXR > 7) tile<7, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 6: if constexpr (MAXR > 6) tile<6, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 5: if constexpr (MAXR > 5) tile<5, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 4: if constexpr (MAXR > 4) tile<4, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 3: tile<3, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 2: tile<2, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    case 1: tile<1, C>(x, wt, y, K, N, m, n, step, jstride); break;
+    default: break;
+  }
+}
+
+// Weight rows n0 .. n1 (n0, n1 multiples of kPackRows when packed).
+void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, bool packed,
+          int64_t n0, int64_t n1) {
+  if (packed) {  // the tile's 4 rows lie interleaved in memory: one sequential stream, x reused 4 times
+    for (int64_t n = n0; n < n1; n += kPackRows)
+      column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kPackRows * kLanes, kLanes);
+  } else {  // one weight row at a time: a sequential stream (several rows at once read slower)
+    for (int64_t n = n0; n < n1; ++n) column<1, kMaxRowsPlain>(x, w + n * K, y, M, K, N, n, kLanes, K);
+  }
+}
+
+ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const bool packed = wd.size() == 4;
+  if (xd.size() != 2 || (wd.size() != 2 && !(packed && wd[2] == kPackRows && wd[3] == kLanes))) {
+    return ffi::Error::InvalidArgument("small_rows: expected x [M, K] and w [N, K] or [N / 4, K / 16, 4, 16]");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t N = packed ? wd[0] * kPackRows : wd[0];
+  if (K != (packed ? wd[1] * kLanes : wd[1])) {
+    return ffi::Error::InvalidArgument("small_rows: x and w disagree on K");
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      rows(xp, wp, yp, M, K, N, packed, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
+    }
+  };
+  // Helpers from XLA's intra-op pool share the chunks with this thread; every helper must be
+  // done with the counter (on this stack) before we return.
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), chunks - 1);
+  std::atomic<int64_t> finished{0};
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([&] {
+      work();
+      finished.fetch_add(1, std::memory_order_release);
+    });
+  }
+  work();
+  while (finished.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRows, SmallRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K] or packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [M, N]

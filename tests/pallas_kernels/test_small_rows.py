@@ -1,0 +1,139 @@
+"""The CPU small-row kernel (pallas_kernels/small_rows.cc through XLA's FFI) against its
+reference, over row counts, both layouts and shapes that are not multiples of the tiles; its
+rows independent of their neighbours; its gradient; where it lowers and where it does not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import small_rows
+from pallas_kernels.small_rows import (
+    check_small_rows_args,
+    pack_rows,
+    small_rows_matmul,
+    small_rows_matmul_reference,
+    unpack_rows,
+)
+
+needs_kernel = pytest.mark.skipif(not small_rows.available(), reason="no C++ compiler: the kernel is not built")
+
+
+def _operands(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)),
+            jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17, 33])
+@pytest.mark.parametrize("k,n", [(16, 4), (24, 7), (64, 130), (576, 960), (100, 1)])
+def test_kernel_matches_the_reference_in_both_layouts(m, k, n):
+    x, w = _operands(m, k, n, seed=m * 1000 + k + n)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    plain = jax.jit(small_rows_matmul)(x, w)
+    packed = jax.jit(small_rows_matmul, static_argnums=2)(x, pack_rows(w), n)
+    assert plain.shape == packed.shape == (m, n)
+    tol = 1e-5 * np.sqrt(k) * np.abs(want).max()
+    np.testing.assert_allclose(plain, want, atol=tol)
+    np.testing.assert_allclose(packed, want, atol=tol)
+    np.testing.assert_allclose(small_rows_matmul_reference(x, pack_rows(w), n), want, atol=tol)
+
+
+@needs_kernel
+def test_kernel_runs_in_the_compiled_cpu_program_and_not_on_gpus():
+    x, w = _operands(5, 64, 32)
+    cpu = jax.jit(small_rows_matmul).lower(x, w).as_text()
+    assert "jspec_small_rows" in cpu
+    for platform in ("cuda", "rocm"):  # the reference's dot there
+        text = jax.jit(small_rows_matmul).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+        assert "jspec_small_rows" not in text and "dot_general" in text
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Each output is summed in one order whatever the tile holds: a decode step's row (alone)
+    and the same row inside a verification step's rows give the same bits, as greedy
+    speculative decoding needs to match plain decoding."""
+    x, w = _operands(9, 576, 300, seed=3)
+    f = jax.jit(small_rows_matmul, static_argnums=2)
+    for layout, weight, n in (("plain", w, None), ("packed", pack_rows(w), 300)):
+        full = np.asarray(f(x, weight, n))
+        for i in range(9):
+            for lo in range(0, i + 1):
+                part = np.asarray(f(x[lo:i + 1], weight, n))
+                assert (part[i - lo] == full[i]).all(), (layout, i, lo)
+
+
+@needs_kernel
+def test_leading_dimensions_vmap_and_gradient_follow_the_reference():
+    x, w = _operands(6, 48, 20, seed=5)
+    x3 = x.reshape(2, 3, 48)
+    np.testing.assert_allclose(small_rows_matmul(x3, w), small_rows_matmul_reference(x3, w), rtol=1e-5, atol=1e-5)
+    batched = jax.vmap(small_rows_matmul, in_axes=(0, None))(x3, w)
+    np.testing.assert_allclose(batched, small_rows_matmul_reference(x3, w), rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda x, w: (f(x, w) ** 2).sum()
+
+    got = jax.grad(loss(small_rows_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(small_rows_matmul_reference), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_pack_and_unpack_round_trip_with_padding():
+    _, w = _operands(1, 37, 10)
+    packed = pack_rows(w)
+    assert packed.shape == (3, 3, 4, 16)
+    np.testing.assert_array_equal(unpack_rows(packed, 10, 37), w)
+    assert float(jnp.abs(packed).sum()) == pytest.approx(float(jnp.abs(w).sum()), rel=1e-6)  # the padding is zeros
+
+
+@pytest.mark.parametrize("xs,ws,n,match", [
+    ((5, 8), (4, 9), None, "must end in"),
+    ((5, 8), (4,), None, "must be \\[N, K\\]"),
+    ((5, 40), (2, 3, 4, 16), None, "n given"),
+    ((5, 40), (2, 3, 4, 16), 9, "n given"),
+    ((5, 20), (2, 3, 4, 16), 8, "does not fit"),
+])
+def test_bad_shapes_are_value_errors(xs, ws, n, match):
+    with pytest.raises(ValueError, match=match):
+        check_small_rows_args(jnp.zeros(xs), jnp.zeros(ws), n)
+
+
+def test_other_dtypes_use_the_reference():
+    x, w = _operands(3, 32, 8)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    text = jax.jit(small_rows_matmul).lower(x, w).as_text()
+    assert "jspec_small_rows" not in text
+    np.testing.assert_allclose(small_rows_matmul(x, w).astype(np.float32),
+                               small_rows_matmul_reference(x, w).astype(np.float32))
+
+
+def test_a_failed_build_falls_back_to_xla(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("JSPEC_KERNEL_CACHE", str(tmp_path))  # nothing cached there
+    monkeypatch.setenv("CXX", "no-such-compiler-jspec")
+    small_rows.available.cache_clear()
+    try:
+        assert not small_rows.available()
+        assert "unavailable" in caplog.text
+        x, w = _operands(4, 32, 8)
+        assert "jspec_small_rows" not in jax.jit(small_rows_matmul).lower(x, w).as_text()
+        np.testing.assert_allclose(small_rows_matmul(x, w), small_rows_matmul_reference(x, w))
+        assert not list(tmp_path.iterdir())  # nothing half-written
+    finally:
+        monkeypatch.undo()
+        small_rows.available.cache_clear()
+        small_rows.available()
+
+
+def test_the_build_is_cached_per_source_and_written_whole(tmp_path, monkeypatch):
+    if not small_rows.available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("JSPEC_KERNEL_CACHE", str(tmp_path))
+    first = small_rows._build()
+    assert first.parent == tmp_path and first.suffix == ".so"
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    stamp = first.stat().st_mtime_ns
+    assert small_rows._build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
