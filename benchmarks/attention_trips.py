@@ -1,6 +1,6 @@
 """What one trip of the xla attention loop costs on the CPU (issue 11, item 5), apart from the model.
 
-    python benchmarks/attention_trips.py [--contexts 100,250,500,1000] [--block-keys 256,512]
+    python benchmarks/attention_trips.py [--contexts 100,250,500,1000] [--block-keys 256,512,cpu]
                                          [--profile-context 1000] [--batch 1] [--q-len 1]
 
 Two measurements on SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64,
@@ -9,7 +9,8 @@ pages of 16), with random K/V and a random block table:
 1. ``jspec.attention.paged_attention_xla`` called for 30 layers in one jitted function (each
    layer's pages its own arrays, each output feeding the next layer's query, as in the model),
    best of 5 x 30 calls, ms per call, for each context and each ``block_keys`` (the same pool
-   and table width for every context);
+   and table width for every context); ``cpu`` in ``--block-keys`` adds the same call on the C++
+   kernel that reads the pages in place (``pallas_kernels.paged_attention_cpu``);
 2. the XLA CPU ops of one layer's call at ``--profile-context`` under ``jax.profiler``:
    microseconds per call and per loop trip of each op (the loop's own ``while`` event spans its
    body's ops).
@@ -34,6 +35,7 @@ import numpy as np
 from jax.profiler import ProfileData
 
 from jspec.attention import BLOCK_KEYS, paged_attention_xla
+from pallas_kernels.paged_attention_cpu import paged_attention_cpu
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, PAGE = 30, 3, 9, 64, 16
 
@@ -52,9 +54,10 @@ def _inputs(ctx: int, batch: int, q_len: int, pages: int, layers: int, seed: int
     return q, k, v, tables, kv_lens, q_lens
 
 
-def time_layers(block_keys: int, ctx: int, batch: int, q_len: int, pages: int, rounds: int = 5, calls: int = 30) -> float:
+def time_layers(block_keys, ctx: int, batch: int, q_len: int, pages: int, rounds: int = 5, calls: int = 30) -> float:
     q, k, v, tables, kv_lens, q_lens = _inputs(ctx, batch, q_len, pages, LAYERS)
-    attend = functools.partial(paged_attention_xla, block_keys=block_keys)
+    attend = (paged_attention_cpu if block_keys == "cpu" else
+              functools.partial(paged_attention_xla, block_keys=block_keys))
 
     @jax.jit
     def layers(q, k, v, tables, kv_lens, q_lens):
@@ -97,13 +100,13 @@ def profile_layer(block_keys: int, ctx: int, batch: int, q_len: int, pages: int,
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="100,250,500,1000")
-    ap.add_argument("--block-keys", default=f"{BLOCK_KEYS},{2 * BLOCK_KEYS}")
+    ap.add_argument("--block-keys", default=f"{BLOCK_KEYS},{2 * BLOCK_KEYS},cpu")
     ap.add_argument("--profile-context", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--q-len", type=int, default=1)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    sizes = [int(b) for b in args.block_keys.split(",")]
+    sizes = [b if b == "cpu" else int(b) for b in args.block_keys.split(",")]
     pages = -(-max(contexts) // PAGE) + 8  # table width -(-max // PAGE), 8 pages to spare
     print(f"machine: {common.machine()}, git {common.git_rev()}")
     print(f"attention of {LAYERS} layers, batch {args.batch}, q_len {args.q_len}, "
@@ -115,7 +118,7 @@ def main():
             row[f"{c} tokens"] = f"{time_layers(bk, c, args.batch, args.q_len, pages):.2f}"
         rows.append(row)
     print(common.table(rows, ["block_keys"] + [f"{c} tokens" for c in contexts]))
-    for bk in sizes:
+    for bk in [b for b in sizes if b != "cpu"]:
         trips = -(-args.profile_context // bk)
         print(f"\none layer at {args.profile_context} tokens, block_keys {bk} ({trips} trips): us per call, us per execution, executions per call")
         for name, us, n in profile_layer(bk, args.profile_context, args.batch, args.q_len, pages):

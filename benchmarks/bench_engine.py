@@ -12,7 +12,9 @@ batches of the same size, left padding, greedy). Every method is greedy, so each
 produce the same tokens as jspec AR at batch 1 (a mismatch is reported per method). Throughput is
 generated tokens over wall time (compilation excluded: each configuration is warmed up first).
 A method written ``METHOD@rows`` (``ar@rows``, ``ngram:4@rows``) runs with the engine's small-row
-weight copy (``EngineConfig(small_row_weights=True)``), for a side-by-side comparison.
+weight copy (``EngineConfig(small_row_weights=True)``), ``METHOD@norows`` without it (``False``),
+for a side-by-side comparison; a method without a suffix runs on the engine's default (the copy
+where the CPU small-row kernel applies).
 
 Online: requests from the same prompts arrive as a Poisson process at each rate (requests/s);
 the engine serves them as they come (added between bursts when their arrival time has passed);
@@ -57,14 +59,15 @@ def spec_of(method: str) -> SpecConfig:
 
 
 def small_rows_of(method: str):
-    """``METHOD@rows``: the engine with its small-row weight copy (EngineConfig.small_row_weights)."""
+    """``METHOD@rows`` / ``METHOD@norows``: the engine with / without its small-row weight copy
+    (EngineConfig.small_row_weights); no suffix: the engine's default (on where it applies)."""
     _, _, how = method.partition("@")
-    if how not in ("", "rows"):
-        raise SystemExit(f"unknown method suffix {how!r} in {method!r} (only @rows)")
-    return how == "rows"
+    if how not in ("", "rows", "norows"):
+        raise SystemExit(f"unknown method suffix {how!r} in {method!r} (only @rows, @norows)")
+    return {"": None, "rows": True, "norows": False}[how]
 
 
-def engine_for(model, spec: SpecConfig, seqs: int, max_model_len: int, small_rows: bool = False) -> LLMEngine:
+def engine_for(model, spec: SpecConfig, seqs: int, max_model_len: int, small_rows=None) -> LLMEngine:
     k = spec.num_speculative_tokens if spec.enabled else 0
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=seqs * (k + 1) + 256, max_model_len=max_model_len,
                           kv_cache_tokens=seqs * (max_model_len + k + 1), max_burst_steps=16,

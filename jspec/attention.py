@@ -9,9 +9,12 @@ Implementations:
     reference  plain jnp over every page of the block table (gather, mask, softmax): the oracle
     xla        plain jnp, online softmax over blocks of pages in a loop that stops at the longest
                live sequence: cost follows the live context, not the table width (the CPU path)
+    cpu        a C++ kernel through XLA's FFI that reads the pages in place
+               (pallas_kernels.paged_attention_cpu; float32, built at first use); xla where
+               it does not apply (other dtypes, no compiler)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm)
     interpret  the same Pallas kernel in interpret mode (CPU tests)
-    auto       pallas on a GPU backend, xla elsewhere
+    auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import ConfigError
+from pallas_kernels import cpu_kernels
+from pallas_kernels.paged_attention_cpu import paged_attention_cpu
 
-ATTENTION_IMPLS = ("auto", "xla", "reference", "pallas", "interpret")
+ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "interpret")
 # Keys per loop iteration of the xla path. 512 made a decode step at 1,000 tokens of context
 # cheaper (1.10-1.15x one at 100, against 1.20-1.28x), but generation on short prompts slower
 # (batch 1 6-19%, batch 8 ~25%: one trip of 512 keys where ~180 are live); BENCHMARKS.md, issue 11.
@@ -42,7 +47,7 @@ def resolve(impl: str = "auto", backend: str | None = None) -> str:
                           "use 'xla' or 'reference' on this machine")
     if impl != "auto":
         return impl
-    return "pallas" if on_gpu else "xla"
+    return "pallas" if on_gpu else ("cpu" if backend == "cpu" and cpu_kernels.available() else "xla")
 
 
 def paged_attention_xla(
@@ -105,6 +110,8 @@ def get(impl: str = "auto") -> Callable:
     impl = resolve(impl)
     if impl == "xla":
         return paged_attention_xla
+    if impl == "cpu":
+        return functools.partial(paged_attention_cpu, fallback=paged_attention_xla)
     if impl == "reference":
         from pallas_kernels.paged_verify_attention import paged_verify_attention_reference
 

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <thread>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -138,24 +139,9 @@ ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      rows(xp, wp, yp, M, K, N, packed, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
-    }
-  };
-  // Helpers from XLA's intra-op pool share the chunks with this thread; every helper must be
-  // done with the counter (on this stack) before we return.
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), chunks - 1);
-  std::atomic<int64_t> finished{0};
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([&] {
-      work();
-      finished.fetch_add(1, std::memory_order_release);
-    });
-  }
-  work();
-  while (finished.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  jspec_cpu::parallel_for(pool, chunks, [&](int64_t c) {
+    rows(xp, wp, yp, M, K, N, packed, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
+  });
   return ffi::Error::Success();
 }
 

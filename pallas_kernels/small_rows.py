@@ -5,7 +5,7 @@ CPU backend 2 or more rows go through a general matrix product that re-packs the
 5-row product costs ~1.5x a 1-row one, though both must read the same bytes (BENCHMARKS.md,
 issue 11). This is not a Pallas kernel (Pallas has no CPU backend outside interpret mode): it is
 a C++ kernel (``small_rows.cc`` beside this file) called through XLA's FFI, built at first use
-with the machine's C++ compiler and ``-march=native``, and cached. The file keeps the kernels'
+with the machine's C++ compiler and ``-march=native``, and cached (:mod:`pallas_kernels.cpu_kernels`). The file keeps the kernels'
 shape: the kernel, a validated wrapper (:func:`small_rows_matmul`), and
 :func:`small_rows_matmul_reference` in plain ``jnp`` with the same signature.
 
@@ -17,25 +17,12 @@ reference's up to float rounding (another summation order). Its gradient is the 
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
-
 import jax
 import jax.numpy as jnp
 
-log = logging.getLogger(__name__)
+from pallas_kernels.cpu_kernels import available
 
-SOURCE = pathlib.Path(__file__).with_name("small_rows.cc")
 TARGET = "jspec_small_rows"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
 PACK_ROWS, LANES = 4, 16  # the packed layout: [N / 4, K / 16, 4, 16], see pack_rows
@@ -79,60 +66,6 @@ def check_small_rows_args(x: jax.Array, w: jax.Array, n: int | None = None) -> N
         raise ValueError(f"small_rows_matmul: w must be [N, K] or packed, got shape {w.shape}")
     if x.dtype != w.dtype:
         raise ValueError(f"small_rows_matmul: x and w must share a dtype, got {x.dtype} and {w.dtype}")
-
-
-def _cache_dir() -> pathlib.Path:
-    if os.environ.get("JSPEC_KERNEL_CACHE"):
-        return pathlib.Path(os.environ["JSPEC_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "jspec" / "kernels"
-
-
-def _cpu_flags() -> str:  # -march=native: a build is only good for the CPU it was built on
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build() -> pathlib.Path:
-    """Compile the kernel (once per source, compiler, jaxlib and CPU) and return the library."""
-    cxx = shutil.which(os.environ.get("CXX", "c++"))
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), jax.__version__,
-                                    include, _cpu_flags()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"small_rows-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then renamed: never half-written
-        part = pathlib.Path(tmp) / out.name
-        done = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(part)],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(part, out)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether the kernel is built and registered with XLA's CPU backend (builds it once)."""
-    if os.environ.get("JSPEC_CPU_KERNELS", "1") == "0":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecSmallRows), platform="cpu")
-    except Exception as e:  # no compiler, a failed build, an FFI without this API: the reference runs
-        log.warning("jspec: the CPU small-row kernel is unavailable, using XLA's dot (%s)", e)
-        return False
-    return True
 
 
 def _kernel(x2: jax.Array, w: jax.Array) -> jax.Array:  # [M, K], [N, K] or packed -> [M, N (padded)]

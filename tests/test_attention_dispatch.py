@@ -5,10 +5,11 @@ import pytest
 import jspec
 from helpers import tiny_config, tiny_model
 from jspec import attention
+from pallas_kernels import cpu_kernels
 
 
-def test_auto_is_reference_on_cpu_and_pallas_needs_a_gpu():
-    assert attention.resolve("auto", "cpu") == "xla"
+def test_auto_is_the_cpu_kernel_on_cpu_and_pallas_needs_a_gpu():
+    assert attention.resolve("auto", "cpu") == ("cpu" if cpu_kernels.available() else "xla")
     assert attention.resolve("auto", "gpu") == "pallas"
     assert attention.resolve("auto", "rocm") == "pallas"
     with pytest.raises(jspec.ConfigError, match="GPU"):
@@ -25,4 +26,16 @@ def test_generation_through_the_kernel_in_interpret_mode_matches_reference():
     ref = jspec.generate(model, prompts, sp, attention="reference")
     for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
         got = jspec.generate(model, prompts, sp, spec=spec, attention="interpret")
+        assert got.token_ids == ref.token_ids
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
+def test_generation_through_the_cpu_kernel_matches_reference():
+    """Decode, verification and prefill through the C++ paged-attention kernel."""
+    model = tiny_model(tiny_config(num_layers=2), scale=4.0)
+    prompts = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3], [7, 7, 8]]
+    sp = jspec.SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = jspec.generate(model, prompts, sp, attention="reference")
+    for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
+        got = jspec.generate(model, prompts, sp, spec=spec, attention="cpu")
         assert got.token_ids == ref.token_ids

@@ -1,0 +1,96 @@
+"""Build and register jspec's C++ kernels for XLA's CPU backend (XLA FFI custom calls).
+
+Pallas has no CPU backend outside interpret mode, so the two places where XLA's CPU code is far
+from what the bytes cost have kernels of their own, in C++ beside this file:
+
+- ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.small_rows`);
+- ``paged_attention_cpu.cc``: verification attention over the pages, read in place
+  (:mod:`pallas_kernels.paged_attention_cpu`).
+
+They are compiled together, at first use, with the machine's C++ compiler (``$CXX`` or ``c++``)
+and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (default
+``~/.cache/jspec/kernels``), keyed by the sources, the compiler, jax and the CPU's flags; the
+library is built in a temporary file and renamed, so a cache never holds half a build. Where
+there is no compiler, the build fails, or ``JSPEC_CPU_KERNELS=0``, :func:`available` is False
+(with one logged warning) and every caller runs its plain-XLA reference instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+log = logging.getLogger(__name__)
+
+HERE = pathlib.Path(__file__).parent
+SOURCES = (HERE / "small_rows.cc", HERE / "paged_attention_cpu.cc")
+HEADERS = (HERE / "cpu_parallel.h",)
+TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_paged_attention": "JspecPagedAttention"}
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def _cache_dir() -> pathlib.Path:
+    if os.environ.get("JSPEC_KERNEL_CACHE"):
+        return pathlib.Path(os.environ["JSPEC_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jspec" / "kernels"
+
+
+def _cpu_flags() -> str:  # -march=native: a build is only good for the CPU it was built on
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build() -> pathlib.Path:
+    """Compile the kernels (once per sources, compiler, jax and CPU) and return the library."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
+                                    jax.__version__, include, _cpu_flags()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"jspec-cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then renamed: never half-written
+        part = pathlib.Path(tmp) / out.name
+        done = subprocess.run([cxx, *FLAGS, f"-I{include}", f"-I{HERE}", *map(str, SOURCES), "-o", str(part)],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(part, out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> bool:
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # no compiler, a failed build, an FFI without this API: the references run
+        log.warning("jspec: the CPU kernels are unavailable, using plain XLA instead (%s)", e)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered with XLA's CPU backend (builds them once)."""
+    return os.environ.get("JSPEC_CPU_KERNELS", "1") != "0" and _load()

@@ -1,0 +1,46 @@
+// Work split between the calling thread and XLA's intra-op thread pool, for jspec's CPU kernels.
+//
+// parallel_for(pool, n, fn) calls fn(i) for every i in [0, n), each once, on the calling thread
+// and up to (pool threads - 1) helpers, which take indices from a shared counter. It returns as
+// soon as every index is done and no helper is inside fn: a helper that wakes up late finds the
+// counter spent and touches only the shared state (kept alive by its own reference), never the
+// caller's stack, so the caller does not wait for a sleeping thread to wake.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jspec_cpu {
+
+inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    int64_t n = 0;
+    std::function<void(int64_t)> fn;
+  };
+  auto st = std::make_shared<State>();
+  st->n = n;
+  st->fn = std::move(fn);
+  auto run = [](State& s) {
+    for (int64_t i = s.next.fetch_add(1); i < s.n; i = s.next.fetch_add(1)) s.fn(i);
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([st, run] {
+      st->active.fetch_add(1);
+      run(*st);
+      st->active.fetch_sub(1);
+    });
+  }
+  run(*st);
+  while (st->active.load() > 0) std::this_thread::yield();
+}
+
+}  // namespace jspec_cpu
