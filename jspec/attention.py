@@ -10,8 +10,9 @@ Implementations:
     xla        plain jnp, online softmax over blocks of pages in a loop that stops at the longest
                live sequence: cost follows the live context, not the table width (the CPU path)
     cpu        a C++ kernel through XLA's FFI that reads the pages in place
-               (pallas_kernels.paged_attention_cpu; float32, built at first use); xla where
-               it does not apply (other dtypes, no compiler)
+               (pallas_kernels.paged_attention_cpu; float32, built at first use) for up to
+               CPU_KERNEL_MAX_ROWS query rows; xla elsewhere (long prefill chunks, other
+               dtypes, no compiler)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm)
     interpret  the same Pallas kernel in interpret mode (CPU tests)
     auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
@@ -34,6 +35,11 @@ ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "interpret")
 # cheaper (1.10-1.15x one at 100, against 1.20-1.28x), but generation on short prompts slower
 # (batch 1 6-19%, batch 8 ~25%: one trip of 512 keys where ~180 are live); BENCHMARKS.md, issue 11.
 BLOCK_KEYS = 256
+# Query rows per sequence up to which the cpu implementation runs the C++ kernel: decode,
+# verification and short prefill chunks. Longer prefill chunks run the xla path, which was
+# faster there (256 rows: 3.7 vs 4.2 ms a layer at 256 keys, 16 vs 23 at 1,024; at 64 rows the
+# kernel took 0.38 ms against 1.2; BENCHMARKS.md, issue 11).
+CPU_KERNEL_MAX_ROWS = 64
 
 
 def resolve(impl: str = "auto", backend: str | None = None) -> str:
@@ -103,6 +109,14 @@ def paged_attention_xla(
     return jnp.where(valid_row[:, :, None, None], o, 0.0).astype(q.dtype)
 
 
+def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None):
+    """The cpu implementation: the C++ kernel for up to :data:`CPU_KERNEL_MAX_ROWS` query rows
+    per sequence (float32), the xla path otherwise."""
+    if q.shape[1] > CPU_KERNEL_MAX_ROWS:
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    return paged_attention_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, fallback=paged_attention_xla)
+
+
 @functools.lru_cache(maxsize=None)
 def get(impl: str = "auto") -> Callable:
     """The attention function for ``impl``, with the signature
@@ -111,7 +125,7 @@ def get(impl: str = "auto") -> Callable:
     if impl == "xla":
         return paged_attention_xla
     if impl == "cpu":
-        return functools.partial(paged_attention_cpu, fallback=paged_attention_xla)
+        return paged_attention_cpu_or_xla
     if impl == "reference":
         from pallas_kernels.paged_verify_attention import paged_verify_attention_reference
 

@@ -39,3 +39,17 @@ def test_generation_through_the_cpu_kernel_matches_reference():
     for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
         got = jspec.generate(model, prompts, sp, spec=spec, attention="cpu")
         assert got.token_ids == ref.token_ids
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
+def test_the_cpu_implementation_leaves_long_prefill_chunks_to_xla():
+    import jax
+    import jax.numpy as jnp
+
+    fn = attention.get("cpu")
+    pages = jnp.zeros((1, 4, 16, 16))
+    table, lens = jnp.zeros((1, 4), jnp.int32), jnp.full((1,), 64, jnp.int32)
+    for rows, kernel in ((1, True), (attention.CPU_KERNEL_MAX_ROWS, True), (attention.CPU_KERNEL_MAX_ROWS + 1, False)):
+        q = jnp.zeros((1, rows, 2, 16))
+        text = jax.jit(fn).lower(q, pages, pages, table, jnp.maximum(lens, rows), jnp.full((1,), rows, jnp.int32)).as_text()
+        assert ("jspec_paged_attention" in text) == kernel, rows
