@@ -187,8 +187,9 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def small_rows_apply(dtype) -> bool:
-    """Whether a product in ``dtype`` can run on the CPU small-row kernel (float32, kernel built)."""
-    return jnp.dtype(dtype) == jnp.float32 and small_rows.available()
+    """Whether a product in ``dtype`` can run on the CPU small-row kernel (float32, the CPU
+    backend, kernel built; a GPU machine never builds it)."""
+    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and small_rows.available()
 
 
 class Linear(nn.Module):
