@@ -21,50 +21,28 @@
 // Reference: pallas_kernels.paged_verify_attention.paged_verify_attention_reference.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
+using jspec_cpu::hsum;
+using jspec_cpu::kLanes;
+using jspec_cpu::load;
+using jspec_cpu::splat;
+using jspec_cpu::store;
+using jspec_cpu::v16;
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int kRowGroup = 4;  // rows of one head accumulated together in the value pass
 
-typedef float v16 __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(v16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
-
-inline v16 splat(float f) { return v16{} + f; }
 
 // exp over 16 lanes (Cephes-style: 2^n * polynomial on [-ln2/2, ln2/2], ~2 ulp); -inf -> 0.
 inline v16 vexp(v16 x) {

@@ -21,46 +21,27 @@
 // elsewhere). Python reference: pallas_kernels.small_rows.small_rows_matmul_reference.
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
+using jspec_cpu::hsum;
+using jspec_cpu::kLanes;
+using jspec_cpu::load;
+using jspec_cpu::splat;
+using jspec_cpu::store;
+using jspec_cpu::v16;
 
 namespace {
 
-constexpr int kLanes = 16;           // floats per vector (AVX-512, or two AVX2 registers)
 constexpr int kPackRows = 4;         // weight rows interleaved by the packed layout
 constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
 constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4 accumulators)
 constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
-
-typedef float v16 __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float hsum(v16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // The weight rows n .. n + C of a tile: row j's floats k .. k + 16 sit at
 // wt + (k / 16) * step + j * jstride, and (plain layout only) a tail of K % 16 at wt + j * K + k.

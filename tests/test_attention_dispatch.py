@@ -18,26 +18,18 @@ def test_auto_is_the_cpu_kernel_on_cpu_and_pallas_needs_a_gpu():
         attention.resolve("flash")
 
 
-def test_generation_through_the_kernel_in_interpret_mode_matches_reference():
-    """Decode (q_len 1), verification (q_len k + 1) and prefill through the Pallas kernel."""
+@pytest.mark.parametrize("impl", [
+    "interpret",  # the Pallas kernel in interpret mode
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler")),
+])
+def test_generation_through_a_kernel_matches_reference(impl):
+    """Decode (q_len 1), verification (q_len k + 1) and prefill through the kernel."""
     model = tiny_model(tiny_config(num_layers=2), scale=4.0)
     prompts = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3], [7, 7, 8]]
     sp = jspec.SamplingParams(max_tokens=6, ignore_eos=True)
     ref = jspec.generate(model, prompts, sp, attention="reference")
     for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
-        got = jspec.generate(model, prompts, sp, spec=spec, attention="interpret")
-        assert got.token_ids == ref.token_ids
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
-def test_generation_through_the_cpu_kernel_matches_reference():
-    """Decode, verification and prefill through the C++ paged-attention kernel."""
-    model = tiny_model(tiny_config(num_layers=2), scale=4.0)
-    prompts = [[5, 9, 3, 17, 2, 44, 8, 5, 9, 3], [7, 7, 8]]
-    sp = jspec.SamplingParams(max_tokens=6, ignore_eos=True)
-    ref = jspec.generate(model, prompts, sp, attention="reference")
-    for spec in [jspec.SpecConfig(), jspec.SpecConfig("ngram", 3, ngram_min=1)]:
-        got = jspec.generate(model, prompts, sp, spec=spec, attention="cpu")
+        got = jspec.generate(model, prompts, sp, spec=spec, attention=impl)
         assert got.token_ids == ref.token_ids
 
 

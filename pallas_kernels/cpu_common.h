@@ -1,4 +1,6 @@
-// Work split between the calling thread and XLA's intra-op thread pool, for jspec's CPU kernels.
+// What jspec's CPU kernels share: 16-float vectors (GCC vector extensions: AVX-512 registers
+// where the CPU has them, two AVX2 registers elsewhere) and the work split between the calling
+// thread and XLA's intra-op thread pool.
 //
 // parallel_for(pool, n, fn) calls fn(i) for every i in [0, n), each once, on the calling thread
 // and up to (pool threads - 1) helpers, which take indices from a shared counter. It returns as
@@ -10,13 +12,42 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace jspec_cpu {
+
+constexpr int kLanes = 16;
+
+typedef float v16 __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(v16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline v16 splat(float f) { return v16{} + f; }
 
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
   struct State {
