@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import subprocess
 import time
@@ -33,15 +34,32 @@ def git_rev() -> str:
         return "unknown"
 
 
-def memory_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth: best of ``repeats`` sums over a ``size_mb`` float32 array (GB/s)."""
+def read_bandwidths(size_mb: int = 512, repeats: int = 5) -> dict[str, float]:
+    """GB/s of three reads of a ``size_mb`` float32 array, best of ``repeats`` each: numpy's sum
+    (one thread), XLA's one-row matrix-vector product, and jspec's CPU small-row kernel at one
+    row (both threads). A numpy sum alone reads at about half what this machine's two cores
+    can (BENCHMARKS.md, 2026-12-02), which made an early floor too low."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.small_rows import small_rows_matmul
+
     x = np.ones(size_mb * (1 << 20) // 4, np.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
+    w = jnp.asarray(x.reshape(-1, 512))
+    row = jnp.ones((1, 512), jnp.float32)
+    reads = {"numpy sum": lambda: x.sum(),
+             "XLA matrix-vector": functools.partial(jax.jit(lambda r, w: r @ w.T), row, w),
+             "jspec small-row kernel": functools.partial(jax.jit(small_rows_matmul), row, w)}
+    out = {}
+    for name, fn in reads.items():
+        jax.block_until_ready(fn())
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            best = min(best, time.perf_counter() - t)
+        out[name] = x.nbytes / best / 1e9
+    return out
 
 
 def load_hf_peer():
