@@ -99,10 +99,9 @@ class LLMEngine:
         """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
         applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and small_rows_apply(mc.dtype)
         if config.small_row_weights and not applies:
-            log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, "
-                        "kernel built: %s); the engine runs without the copy", device.platform, mc.dtype,
-                        small_rows_apply("float32"))
-        return applies if config.small_row_weights is None else bool(config.small_row_weights) and applies
+            log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, or "
+                        "the kernel is not built); the engine runs without the copy", device.platform, mc.dtype)
+        return applies and config.small_row_weights is not False
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(), *,
                  drafter=None, drafter_params=None):
@@ -172,8 +171,8 @@ class LLMEngine:
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
-        self.small_row_weights = self._small_row_weights(config, mc, device)
-        params = with_small_row_weights(model.params) if self.small_row_weights else model.params
+        copy = self._small_row_weights(config, mc, device)
+        params = with_small_row_weights(model.params) if copy else model.params
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

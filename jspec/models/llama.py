@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import attention as attention_lib
-from pallas_kernels import small_rows
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
+from pallas_kernels import small_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -192,6 +192,11 @@ def small_rows_apply(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and small_rows.available()
 
 
+def _few_rows(x, dtype) -> bool:
+    """Whether ``x`` [..., in] has :data:`KERNEL_ROWS` rows for a product the kernel can run."""
+    return math.prod(x.shape[:-1]) in KERNEL_ROWS and small_rows_apply(dtype)
+
+
 class Linear(nn.Module):
     """``nn.Dense`` with the same parameters (``kernel`` [in, out], optional ``bias``), which also
     reads a packed copy ``weight`` beside ``kernel`` for products of :data:`KERNEL_ROWS` rows on the
@@ -204,8 +209,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = x.astype(self.dtype)
-        rows = math.prod(x.shape[:-1])
-        if self.has_variable("params", "weight") and rows in KERNEL_ROWS and small_rows_apply(self.dtype):
+        if self.has_variable("params", "weight") and _few_rows(x, self.dtype):
             y = small_rows.small_rows_matmul(x, self.get_variable("params", "weight"), self.features)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
@@ -319,9 +323,8 @@ class LlamaForCausalLM(nn.Module):
 
     def head(self, hidden):  # [..., H] (after the final norm) -> float32 logits [..., V]
         if self.config.tie_word_embeddings:
-            # the tied table is already rows [V, H]: a few rows go through the CPU kernel
-            rows = math.prod(hidden.shape[:-1])
-            if rows in KERNEL_ROWS and small_rows_apply(self.config.dtype):
+            # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
+            if _few_rows(hidden, self.config.dtype):
                 logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), self.embed_tokens.embedding)
             else:
                 logits = self.embed_tokens.attend(hidden)
