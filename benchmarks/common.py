@@ -42,6 +42,7 @@ def read_bandwidths(size_mb: int = 512, repeats: int = 5) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    from jspec.engine.profile import best_ms
     from pallas_kernels.small_rows import small_rows_matmul
 
     x = np.ones(size_mb * (1 << 20) // 4, np.float32)
@@ -50,16 +51,7 @@ def read_bandwidths(size_mb: int = 512, repeats: int = 5) -> dict[str, float]:
     reads = {"numpy sum": lambda: x.sum(),
              "XLA matrix-vector": functools.partial(jax.jit(lambda r, w: r @ w.T), row, w),
              "jspec small-row kernel": functools.partial(jax.jit(small_rows_matmul), row, w)}
-    out = {}
-    for name, fn in reads.items():
-        jax.block_until_ready(fn())
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            best = min(best, time.perf_counter() - t)
-        out[name] = x.nbytes / best / 1e9
-    return out
+    return {name: x.nbytes / (best_ms(fn, repeats=repeats) / 1e3) / 1e9 for name, fn in reads.items()}
 
 
 def load_hf_peer():

@@ -15,10 +15,10 @@ did before 2026-12-01: then XLA copies every layer's pages before writing into t
 the pool's size. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
-context's decode step, and verify / decode at each context. ``--compare-small-row-weights``
-adds the same steps with the transposed weight copy that ``EngineConfig(small_row_weights=True)``
-keeps (and the CPU small-row kernel that reads it, ``pallas_kernels.small_rows``), timed in
-the same rounds.
+context's decode step, and verify / decode at each context. The steps run on the engine's
+parameters (on the CPU: with the packed weight copy the small-row kernel reads);
+``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
+(" (copy)") in the same rounds.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def main():
           f"{'not donated' if args.no_donate else 'donated'}")
     print(f"SmolLM2-135M-Instruct (float32), batch 1, k = {args.k}; best over {args.rounds} interleaved rounds "
           f"of best-of-{args.repeats} calls, ms")
-    variants = {"": None}
+    variants = {"": None}  # the engine's own parameters
     if args.compare_small_row_weights:
-        variants[" (copy)"] = with_small_row_weights(model.params)
+        variants = {" (no copy)": model.params, " (copy)": with_small_row_weights(model.params)}
     cases = {}  # (context, q_len, variant) -> a zero-argument step
     for c in contexts:
         engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention,
@@ -74,7 +74,7 @@ def main():
     for _ in range(args.rounds):
         for key, fn in cases.items():
             best[key] = min(best[key], best_ms(fn, repeats=args.repeats, compile=False))
-    base = best[(contexts[0], 1, "")]
+    base = best[(contexts[0], 1, next(iter(variants)))]
     rows = []
     for var in variants:
         for c in contexts:
