@@ -9,9 +9,11 @@
 // past kv_lens[b]), so stale, NaN or garbage pages beyond a sequence's length cannot leak in.
 //
 // One unit of work is one (sequence, KV head, chunk of 256 keys): the scores of all the rows of
-// the KV head's query heads against the chunk's keys (each key row read once for all of them),
-// a softmax per row within the chunk, then the values (each value row read once); the next page
-// is prefetched while one is read. The chunks of a row are combined at the end (split-K, as
+// the KV head's query heads against the chunk's keys, 16 keys at a time (a block of keys comes
+// from memory once and serves every row from L1; a row's 16 dot products are summed across
+// lanes together), a softmax per row within the chunk, then the values (each value row read
+// once, 4 rows' accumulators held in registers); the next keys are prefetched while one block
+// is read. The chunks of a row are combined at the end (split-K, as
 // flash-decoding does), so a single sequence's keys keep both cores busy. The XLA path
 // (jspec/attention.py) gathers every page of a block of 256 keys into a copy first; here the
 // pages are read in place. Each row's result is computed in the same order whatever the other
@@ -68,11 +70,69 @@ inline v16 vexp(v16 x) {
   return under ? v16{} : y;
 }
 
+// out[j] = sum of the lanes of a[j], for 16 vectors at once: four rounds that each fold half of
+// every vector onto the other half of its partner's (15 two-vector shuffles and adds in all,
+// against 16 separate horizontal sums). Folding leaves the lanes in bit-reversed order, so the
+// inputs are taken in that order.
+inline v16 fold(v16 a, v16 b, i16v lo, i16v hi) {
+#if defined(__clang__)
+  v16 x, y;
+  for (int i = 0; i < kLanes; ++i) {
+    x[i] = lo[i] < kLanes ? a[lo[i]] : b[lo[i] - kLanes];
+    y[i] = hi[i] < kLanes ? a[hi[i]] : b[hi[i] - kLanes];
+  }
+  return x + y;
+#else
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+#endif
+}
+
+inline v16 reduce16(const v16 (&a)[kLanes]) {
+  static constexpr int kBitrev[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  const i16v lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16v hi1 = lo1 + 8;
+  const i16v lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const i16v hi2 = lo2 + 4;
+  const i16v lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const i16v hi3 = lo3 + 2;
+  const i16v lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const i16v hi4 = lo4 + 1;
+  v16 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) t[i] = fold(a[kBitrev[2 * i]], a[kBitrev[2 * i + 1]], lo1, hi1);
+  for (int i = 0; i < 4; ++i) u[i] = fold(t[2 * i], t[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) w[i] = fold(u[2 * i], u[2 * i + 1], lo3, hi3);
+  return fold(w[0], w[1], lo4, hi4);
+}
+
 struct Shapes {
   int64_t B, T, Hq, D, KVH, P, S, W, G;
 };
 
 constexpr int64_t kChunkKeys = 256;  // keys per unit of work (split-K, combined at the end)
+
+// acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos] v(pos)[d ..], for the
+// first `rows` rows of a group, the accumulators held in registers through the keys.
+template <int NV, class VRow>
+void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t to, int64_t d,
+                 const VRow& vrow, float (&acc)[kRowGroup][256]) {
+  v16 a[kRowGroup][NV];
+  for (int r = 0; r < kRowGroup; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = r < rows ? load(acc[r] + d + i * kLanes) : v16{};
+  for (int64_t pos = from; pos < to; ++pos) {
+    const float* v = vrow(pos) + d;
+    if (pos + kLanes < to)
+      for (int i = 0; i < NV; ++i) __builtin_prefetch(vrow(pos + kLanes) + d + i * kLanes);
+    v16 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load(v + i * kLanes);
+    for (int r = 0; r < kRowGroup; ++r) {
+      if (r >= rows) break;
+      const v16 pr = splat(p[r * n + pos]);
+      for (int i = 0; i < NV; ++i) a[r][i] = a[r][i] + pr * vv[i];
+    }
+  }
+  for (int r = 0; r < kRowGroup && r < rows; ++r)
+    for (int i = 0; i < NV; ++i) store(acc[r] + d + i * kLanes, a[r][i]);
+}
 
 // One unit: sequence b, KV head kvh, keys [k0, k1). Its rows are the G query heads of the KV
 // head times the T query rows (row r = t * G + g), so each K and V row is read once for all of
@@ -95,22 +155,34 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
   auto prefetch_page = [&](const float* page, int64_t keys) {
     for (int64_t i = 0; i < keys * D; i += kLanes) __builtin_prefetch(page + i);
   };
-  // scores of every row against the keys it sees (rows before `from` do not see key pos)
-  for (int64_t p0 = k0 - k0 % S; p0 < k1; p0 += S) {
-    const float* page = page_of(kp, p0 / S);
-    if (p0 + S < k1) prefetch_page(page_of(kp, p0 / S + 1), S);
-    for (int64_t pos = std::max(p0, k0); pos < std::min(k1, p0 + S); ++pos) {
-      const float* k = page + (pos - p0) * D;
-      const int64_t from = std::max<int64_t>(0, pos - first_pos) * G;
-      for (int64_t r = from; r < R; ++r) {
-        const float* qr = qrow(r);
-        v16 acc = v16{};
-        int64_t c = 0;
-        for (; c + kLanes <= D; c += kLanes) acc += load(qr + c) * load(k + c);
-        float dot = hsum(acc);
-        for (; c < D; ++c) dot += qr[c] * k[c];
-        scores[r * n + pos - k0] = dot * scale;
+  // scores of every row against the keys it sees, 16 keys at a time: a row's 16 dot products are
+  // accumulated as 16 vectors and summed across lanes together (reduce16), not one by one
+  for (int64_t p0 = k0; p0 < k1; p0 += kLanes) {
+    const int64_t nb = std::min<int64_t>(kLanes, k1 - p0);
+    const float* keys[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const int64_t pos = p0 + std::min(j, nb - 1);
+      keys[j] = page_of(kp, pos / S) + (pos % S) * D;
+    }
+    if (p0 + kLanes < k1) {  // the next block's key rows
+      const int64_t pos = p0 + kLanes;
+      prefetch_page(page_of(kp, pos / S) + (pos % S) * D, std::min<int64_t>(kLanes, S - pos % S));
+    }
+    for (int64_t r = std::max<int64_t>(0, p0 - first_pos) * G; r < R; ++r) {
+      const float* qr = qrow(r);
+      v16 acc[kLanes];
+      for (auto& a : acc) a = v16{};
+      int64_t c = 0;
+      for (; c + kLanes <= D; c += kLanes) {
+        const v16 qv = load(qr + c);
+        for (int j = 0; j < kLanes; ++j) acc[j] += qv * load(keys[j] + c);
       }
+      v16 dots = reduce16(acc);
+      for (; c < D; ++c)
+        for (int j = 0; j < kLanes; ++j) dots[j] += qr[c] * keys[j][c];
+      dots *= splat(scale);
+      const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
+      std::memcpy(scores.data() + r * n + (p0 - k0), &dots, sizeof(float) * seen);
     }
   }
   // per row: m, then p = exp(score - m) in place, l = sum p
@@ -145,25 +217,38 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
     out[0] = m;
     out[1] = l;
   }
-  // values, kRowGroup rows at a time: acc[r] = sum over seen keys of p[r, key] v[key]
+  // values, kRowGroup rows at a time: acc[r] = sum over seen keys of p[r, key] v[key]. The keys
+  // every row of the group sees run with the accumulators in registers, 64 floats of them at a
+  // time (value_block); the group's last few keys, which only some of its rows see, one row at
+  // a time. Either way each row adds its keys in order with the same operations.
   for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
     const int64_t g1 = std::min(R, g0 + kRowGroup);
     float acc[kRowGroup][256];  // D <= 256 (checked by the caller)
     for (int64_t r = g0; r < g1; ++r) std::fill(acc[r - g0], acc[r - g0] + D, 0.0f);
     const int64_t last = std::min(k1, first_pos + (g1 - 1) / G + 1);  // keys the group's last row sees
-    for (int64_t p0 = k0 - k0 % S; p0 < last; p0 += S) {
-      const float* page = page_of(vp, p0 / S);
-      if (g0 == 0 && p0 + S < last) prefetch_page(page_of(vp, p0 / S + 1), S);
-      for (int64_t pos = std::max(p0, k0); pos < std::min(last, p0 + S); ++pos) {
-        const float* v = page + (pos - p0) * D;
-        const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
-        for (int64_t r = from; r < g1; ++r) {
-          const float p = scores[r * n + pos - k0];
-          float* a = acc[r - g0];
-          int64_t c = 0;
-          for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(p) * load(v + c));
-          for (; c < D; ++c) a[c] += p * v[c];
-        }
+    const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
+    auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
+    const float* p = scores.data() + g0 * n - k0;  // p[r * n + pos]: row g0 + r's weight of key pos
+    int64_t d = 0;
+    for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<4>(p, n, g1 - g0, k0, all, d, vrow, acc);
+    switch ((D - d) / kLanes) {
+      case 3: value_block<3>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      case 2: value_block<2>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      case 1: value_block<1>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      default: break;
+    }
+    for (d += (D - d) / kLanes * kLanes; d < D; ++d)
+      for (int64_t pos = k0; pos < all; ++pos)
+        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos] * vrow(pos)[d];
+    for (int64_t pos = all; pos < last; ++pos) {
+      const float* v = vrow(pos);
+      const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
+      for (int64_t r = from; r < g1; ++r) {
+        const float pr = p[(r - g0) * n + pos];
+        float* a = acc[r - g0];
+        int64_t c = 0;
+        for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * load(v + c));
+        for (; c < D; ++c) a[c] += pr * v[c];
       }
     }
     for (int64_t r = g0; r < g1; ++r) std::memcpy(part + r * (D + 2) + 2, acc[r - g0], sizeof(float) * D);
