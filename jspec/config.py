@@ -335,7 +335,7 @@ class EngineConfig:
     - ``tensor_parallel_size``: devices the target's heads, MLP and vocabulary (and the KV
       pages) are sharded over (:mod:`jspec.parallel`);
     - ``small_row_weights``: keep a packed copy of the target's layer projections for steps of
-      1-8 rows, read by the CPU small-row kernel (:func:`jspec.models.llama.with_small_row_weights`,
+      1-16 rows, read by the CPU small-row kernel (:func:`jspec.models.llama.with_small_row_weights`,
       ``pallas_kernels.small_rows``). ``None`` (the default): on where it applies (the CPU
       backend, one device, a float32 target, the kernel built); ``False``: off; ``True``: on
       wherever it applies (a warning where it does not). It costs the projections' memory once

@@ -7,8 +7,9 @@
 // these CPUs a 5-row product there costs ~1.5x a 1-row one, though both read the same bytes.
 // Here the weight is read once, as sequential streams, and each loaded vector is multiplied by
 // several rows of x held in registers:
-//   - plain layout w [N, K] (the tied LM head's embedding table): one weight row at a time
-//     against up to 8 rows of x (reading several rows side by side streamed slower);
+//   - plain layout w [N, K] (the tied LM head's embedding table): 4 weight rows side by side,
+//     4 streams, each vector against up to 5 rows of x (a last N % 4 rows one at a time, against
+//     up to 8 rows of x);
 //   - packed layout [N / 4, K / 16, 4, 16] (pallas_kernels.small_rows.pack_rows, made once when
 //     the engine loads the weights): 4 weight rows interleaved 16 floats at a time, one stream,
 //     each vector against up to 5 rows of x (5 x 4 accumulators).
@@ -70,7 +71,7 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
       asm("" : "+v"(xv[i]));  // held in a register: GCC would otherwise re-load it in every FMA
 #endif
     }
-    for (int j = 0; j < C; ++j) __builtin_prefetch(wk + kPrefetchFloats + j * kLanes, 0, 2);
+    for (int j = 0; j < C; ++j) __builtin_prefetch(wk + kPrefetchFloats + j * jstride, 0, 2);
     for (int j = 0; j < C; ++j) {
       const v16 wv = load(wk + j * jstride);
       for (int i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;
@@ -109,8 +110,11 @@ void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
   if (packed) {  // the tile's 4 rows lie interleaved in memory: one sequential stream, x reused 4 times
     for (int64_t n = n0; n < n1; n += kPackRows)
       column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kPackRows * kLanes, kLanes);
-  } else {  // one weight row at a time: a sequential stream (several rows at once read slower)
-    for (int64_t n = n0; n < n1; ++n) column<1, kMaxRowsPlain>(x, w + n * K, y, M, K, N, n, kLanes, K);
+  } else {  // 4 weight rows side by side (4 streams, each prefetched), then the rows left over
+    int64_t n = n0;
+    for (; n + kPackRows <= n1; n += kPackRows)
+      column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kLanes, K);
+    for (; n < n1; ++n) column<1, kMaxRowsPlain>(x, w + n * K, y, M, K, N, n, kLanes, K);
   }
 }
 

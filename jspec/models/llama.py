@@ -180,9 +180,10 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
 # Products of this many rows (a decoding step of a few slots, a verification step; not a prefill
 # chunk or a large batch) run on the CPU small-row kernel (pallas_kernels.small_rows) when the
 # parameters carry a packed copy ``weight`` of a projection (with_small_row_weights) and the
-# kernel is built: it reads the weight once for up to 5 rows, where XLA's CPU dot re-packs it for
-# 2 or more. From 9 rows on XLA's own product is as fast or faster (BENCHMARKS.md, issue 11).
-KERNEL_ROWS = range(1, 9)
+# kernel is built: it reads the weight once for any number of rows, where XLA's CPU dot re-packs
+# it for 2 or more. Up to 16 rows the kernel measured faster than XLA's product (a k = 4 step's 5
+# rows ~1.1x one row, 16 rows ~1.5-2x; XLA 1.3-1.9x); beyond, XLA's (BENCHMARKS.md, issue 11).
+KERNEL_ROWS = range(1, 17)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
