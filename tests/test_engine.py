@@ -426,3 +426,20 @@ def test_llm_front_door_in_vllm_convention(target):
         jspec.LLM(target, speculative_config={"method": "medusa"})
     with pytest.raises(jspec.PromptError, match="no prompts"):
         llm.generate([], use_tqdm=False)
+
+
+def test_prefill_width_weighs_padding_against_a_steps_overhead():
+    """Where a step costs as much as 16 more prompt tokens (the CPU), a 110-token prompt with
+    widths 16 / 64 / 256 goes in two 64-wide chunks, not one 256-wide chunk of mostly padding;
+    long prompts still take the widest; with no overhead the smallest width that holds it."""
+    from jspec.cache.allocator import PageAllocator
+    from jspec.engine.scheduler import Scheduler, prefill_shapes
+
+    def scheduler(overhead):
+        return Scheduler(num_slots=1, table_width=8, allocator=PageAllocator(16, 16),
+                         shapes=prefill_shapes(257, 1, (16, 64, 256)), max_burst_steps=16,
+                         prefix_caching=False, step_overhead_tokens=overhead)
+
+    cpu, free = scheduler(16), scheduler(None)
+    assert [cpu.chunk_width(n) for n in (110, 46, 10, 230, 1000)] == [64, 64, 16, 256, 256]
+    assert [free.chunk_width(n) for n in (110, 46, 10, 200, 1000)] == [256, 64, 16, 256, 256]

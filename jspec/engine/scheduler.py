@@ -11,8 +11,8 @@ Each burst it decides, in this order:
    prompt pages fit. Full prompt pages found in the **prefix cache** are shared read-only
    (their K/V, and a drafter's, are already there); only the rest is prefilled.
 3. **Prefill chunks** of the oldest slots still prefilling, one row each: a width from
-   ``prefill_shapes`` (the smallest that holds the oldest one's remaining prompt, up to the
-   largest) and as many rows as that width allows within the step's token budget (rounded up to
+   ``prefill_shapes`` (the one with the least cost per prompt token for the oldest one's
+   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width allows within the step's token budget (rounded up to
    the next allowed row count: few compiled shapes), run in the same forward as everyone's
    decode step.
 4. **Burst length**: a step with a prefill chunk runs alone (the running slots decode one token
@@ -73,8 +73,12 @@ def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple
 
 class Scheduler:
     def __init__(self, *, num_slots: int, table_width: int, allocator: PageAllocator,
-                 shapes: tuple[tuple[int, int], ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b""):
+                 shapes: tuple[tuple[int, int], ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b"",
+                 step_overhead_tokens: Optional[float] = None):
         self.allocator = allocator
+        # what one step costs beside its tokens, in tokens of prefill compute (None: tokens cost
+        # nothing next to a step, so the smallest width that holds the prompt is best)
+        self.step_overhead_tokens = step_overhead_tokens
         self.page_size = allocator.page_size
         self.table_width = table_width
         self.shapes = shapes
@@ -172,12 +176,22 @@ class Scheduler:
         if not pre:
             return None
         remaining = lambda r: (len(r.all_ids) - 1) - r.computed  # noqa: E731
-        width = next((w for w in self.widths if w >= remaining(pre[0])), self.widths[-1])
+        width = self.chunk_width(remaining(pre[0]))
         allowed = sorted(p for p, w in self.shapes if w == width)
         n = min(len(pre), allowed[-1])
         rows = next(p for p in allowed if p >= n)
         chunks = [Chunk(r, r.computed, min(remaining(r), width), width) for r in pre[:n]]
         return Prefill(chunks, rows, width)
+
+    def chunk_width(self, remaining: int) -> int:
+        """The prefill width for a prompt with ``remaining`` tokens to prefill: the one with the
+        least cost per prompt token it prefills, a step costing (width + step_overhead_tokens).
+        Where compute is dear (the CPU) a 110-token prompt then takes two 64-wide chunks rather
+        than one 256-wide chunk that is mostly padding; with no overhead given, the smallest
+        width that holds the prompt (or the largest)."""
+        if self.step_overhead_tokens is None:
+            return next((w for w in self.widths if w >= remaining), self.widths[-1])
+        return min(self.widths, key=lambda w: ((w + self.step_overhead_tokens) / min(w, remaining), -w))
 
     # ------------------------------------------------------------------ after a burst
     def prefilled(self, r: Request, length: int) -> None:
