@@ -13,8 +13,8 @@
 // from memory once and serves every row from L1; a row's 16 dot products are summed across
 // lanes together), a softmax per row within the chunk, then the values (each value row read
 // once, 4 rows' accumulators held in registers); the next keys are prefetched while one block
-// is read. The chunks of a row are combined at the end (split-K, as
-// flash-decoding does), so a single sequence's keys keep both cores busy. The XLA path
+// is read. The chunks of a row are combined at the end (split-K, as flash-decoding does), so a
+// single sequence's keys keep both cores busy. The XLA path
 // (jspec/attention.py) gathers every page of a block of 256 keys into a copy first; here the
 // pages are read in place. Each row's result is computed in the same order whatever the other
 // rows, so a decode step's row equals the same row inside a verification step's.
@@ -110,8 +110,8 @@ struct Shapes {
 
 constexpr int64_t kChunkKeys = 256;  // keys per unit of work (split-K, combined at the end)
 
-// acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos] v(pos)[d ..], for the
-// first `rows` rows of a group, the accumulators held in registers through the keys.
+// acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..], for
+// the first `rows` rows of a group, the accumulators held in registers through the keys.
 template <int NV, class VRow>
 void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t to, int64_t d,
                  const VRow& vrow, float (&acc)[kRowGroup][256]) {
@@ -120,13 +120,15 @@ void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t 
     for (int i = 0; i < NV; ++i) a[r][i] = r < rows ? load(acc[r] + d + i * kLanes) : v16{};
   for (int64_t pos = from; pos < to; ++pos) {
     const float* v = vrow(pos) + d;
-    if (pos + kLanes < to)
-      for (int i = 0; i < NV; ++i) __builtin_prefetch(vrow(pos + kLanes) + d + i * kLanes);
+    if (pos + kLanes < to) {
+      const float* ahead = vrow(pos + kLanes) + d;
+      for (int i = 0; i < NV; ++i) __builtin_prefetch(ahead + i * kLanes);
+    }
     v16 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load(v + i * kLanes);
     for (int r = 0; r < kRowGroup; ++r) {
       if (r >= rows) break;
-      const v16 pr = splat(p[r * n + pos]);
+      const v16 pr = splat(p[r * n + pos - from]);
       for (int i = 0; i < NV; ++i) a[r][i] = a[r][i] + pr * vv[i];
     }
   }
@@ -228,7 +230,7 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
     const int64_t last = std::min(k1, first_pos + (g1 - 1) / G + 1);  // keys the group's last row sees
     const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
     auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
-    const float* p = scores.data() + g0 * n - k0;  // p[r * n + pos]: row g0 + r's weight of key pos
+    const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
     int64_t d = 0;
     for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<4>(p, n, g1 - g0, k0, all, d, vrow, acc);
     switch ((D - d) / kLanes) {
@@ -237,14 +239,14 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
       case 1: value_block<1>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
       default: break;
     }
-    for (d += (D - d) / kLanes * kLanes; d < D; ++d)
+    for (d = D / kLanes * kLanes; d < D; ++d)  // the columns past the last full vector
       for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos] * vrow(pos)[d];
+        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrow(pos)[d];
     for (int64_t pos = all; pos < last; ++pos) {
       const float* v = vrow(pos);
       const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
       for (int64_t r = from; r < g1; ++r) {
-        const float pr = p[(r - g0) * n + pos];
+        const float pr = p[(r - g0) * n + pos - k0];
         float* a = acc[r - g0];
         int64_t c = 0;
         for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * load(v + c));

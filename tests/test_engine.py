@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 import jspec
 from helpers import tiny_config, tiny_model
+from jspec.cache.allocator import PageAllocator
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
+from jspec.engine.scheduler import Scheduler, prefill_shapes
 from jspec.models.eagle import init_eagle_params
 from jspec.models.llama import output_embedding
 from jspec.speculative.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
@@ -432,9 +434,6 @@ def test_prefill_width_weighs_padding_against_a_steps_overhead():
     """Where a step costs as much as 16 more prompt tokens (the CPU), a 110-token prompt with
     widths 16 / 64 / 256 goes in two 64-wide chunks, not one 256-wide chunk of mostly padding;
     long prompts still take the widest; with no overhead the smallest width that holds it."""
-    from jspec.cache.allocator import PageAllocator
-    from jspec.engine.scheduler import Scheduler, prefill_shapes
-
     def scheduler(overhead):
         return Scheduler(num_slots=1, table_width=8, allocator=PageAllocator(16, 16),
                          shapes=prefill_shapes(257, 1, (16, 64, 256)), max_burst_steps=16,

@@ -163,18 +163,17 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, ps, reserve_null=True,
                                        shuffle_seed=config.seed if config.shuffle_pages else None)
         salt = f"{model.source}:{mc}:{type(drafter).__name__}".encode()
+        device = jax.local_devices()[0]
         self.scheduler = Scheduler(num_slots=b, table_width=table_width, allocator=self.allocator,
                                    shapes=self.prefill_shapes, max_burst_steps=config.max_burst_steps,
                                    prefix_caching=config.enable_prefix_caching, salt=salt,
-                                   step_overhead_tokens=(CPU_STEP_OVERHEAD_TOKENS
-                                                         if jax.local_devices()[0].platform == "cpu" else None))
+                                   step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None)
         # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
         # and the token buffer, checked against the memory available before anything is built
         kv = memory.kv_cache_bytes(mc, num_pages * ps)
         own = getattr(drafter, "cache_config", None)  # drafters with pages of their own
         if own is not None:
             kv += memory.kv_cache_bytes(own, num_pages * ps)
-        device = jax.local_devices()[0]
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)

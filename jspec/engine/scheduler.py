@@ -12,9 +12,9 @@ Each burst it decides, in this order:
    (their K/V, and a drafter's, are already there); only the rest is prefilled.
 3. **Prefill chunks** of the oldest slots still prefilling, one row each: a width from
    ``prefill_shapes`` (the one with the least cost per prompt token for the oldest one's
-   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width allows within the step's token budget (rounded up to
-   the next allowed row count: few compiled shapes), run in the same forward as everyone's
-   decode step.
+   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width allows within
+   the step's token budget (rounded up to the next allowed row count: few compiled shapes), run
+   in the same forward as everyone's decode step.
 4. **Burst length**: a step with a prefill chunk runs alone (the running slots decode one token
    in it), else up to ``max_burst_steps`` steps; with requests waiting, the burst also stops as
    soon as a slot finishes.
