@@ -10,7 +10,7 @@ import torch
 
 from jspec.config import SamplingParams
 from jspec.sampling import (CANDIDATE_LEVELS, RowSampling, argmax, categorical, filter_candidates, filter_sorted, probs,
-                            process_logits, sample)
+                            process_logits, sample, sample_from_probs)
 
 
 def _hf_process(logits, sp):
@@ -59,6 +59,46 @@ def test_sample_frequencies_follow_processed_distribution():
     # 5 sigma of a binomial proportion with p <= 0.6
     assert np.abs(freq - want).max() < 5 * np.sqrt(0.25 / n)
     assert freq[3] == freq[4] == 0
+
+
+def _draw_freqs(p, n, seed=0):
+    keys = jax.random.split(jax.random.key(seed), n)
+    draws = np.asarray(jax.jit(jax.vmap(sample_from_probs, in_axes=(0, None)))(keys, jnp.asarray(p, jnp.float32)))
+    return np.bincount(draws, minlength=len(p)) / n
+
+
+def _worst_z(freq, p, n):
+    want = np.asarray(p, np.float64) / np.sum(p)
+    sigma = np.sqrt(np.maximum(want * (1 - want), 1e-12) / n)
+    return float((np.abs(freq - want) / sigma).max())
+
+
+def test_sample_from_probs_follows_p_and_never_draws_zero_mass():
+    """The inverse-CDF draw over blocks of 64: unnormalized p over a vocabulary that is not a
+    multiple of 64, zero-mass tokens and whole zero blocks, mass at both ends."""
+    rng = np.random.default_rng(5)
+    v, n = 300, 200_000
+    p = rng.gamma(0.3, size=v) * 3.7  # skewed, unnormalized
+    p[rng.random(v) < 0.3] = 0.0
+    p[64:128] = 0.0  # a block without mass
+    p[0], p[v - 1] = 2.0, 1.5  # the first and the last entry
+    freq = _draw_freqs(p, n)
+    assert freq[p == 0].sum() == 0
+    assert _worst_z(freq, p, n) < 5.5
+    # the check has power: the same draws scored against p with one token's mass moved to its
+    # right-hand neighbour (an off-by-one in the search) fail it
+    shifted = p.copy()
+    i = int(np.argmax(p[:v - 1]))
+    shifted[i + 1] += shifted[i] / 2
+    shifted[i] /= 2
+    assert _worst_z(freq, shifted, n) > 20
+
+
+@pytest.mark.parametrize("where", [0, 63, 64, 299])
+def test_sample_from_probs_single_token(where):
+    p = np.zeros(300)
+    p[where] = 1e-30  # tiny but positive: all of the mass
+    assert (_draw_freqs(p, 64)[where]) == 1.0
 
 
 def test_process_logits_marks_removed_tokens_minus_inf():
