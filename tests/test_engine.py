@@ -292,6 +292,10 @@ def test_calibration_times_every_k_at_every_bucket_and_leaves_nothing(target):
     for n in engine.buckets:
         assert all(t is not None and t > 0 for t in engine.costs[n].step_seconds.values()), (n, engine.costs[n])
     assert int(np.asarray(engine.runner.state.proposed)[0].sum()) > 0  # the k = 4 run proposed drafts
+    assert all(engine.calibration_drafted[n][0] == 0 for n in engine.buckets)
+    # the context was prefilled for real (verification attends to true K/V, not unwritten pages)
+    first = np.asarray(engine.runner.state.cache.k_pages[0])[:, engine.allocator.reserved]  # [KVH, S, D]
+    assert (np.abs(first).sum(axis=(0, 2)) > 0).all()  # the table's first page: every position written
     assert not engine.has_unfinished_requests() and engine.allocator.num_free == engine.allocator.num_usable
     assert bool(np.asarray(engine.runner.state.done).all())
     prompts = prompts_with_repeats(3, seed=9)

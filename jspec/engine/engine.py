@@ -52,6 +52,9 @@ Prompt = Union[str, Sequence[int]]
 MIN_CHUNK = 16
 
 
+CALIBRATION_SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
     """Token ids of one prompt (text needs a tokenizer; ``chat`` applies its chat template)."""
     if isinstance(prompt, str):
@@ -155,6 +158,7 @@ class LLMEngine:
         self.buckets = slot_buckets(b)
         # a step's time depends on the rows it runs, so each bucket keeps its own measurements
         self.costs = {n: CostModel(candidates) for n in self.buckets}
+        self.calibration_drafted: dict[int, dict[int, float]] = {}  # filled by calibrate()
         self._cost_bucket = self.buckets[-1]
         # The step that carries prefill chunks: with a fixed k the same speculative step as every
         # other (so a request's steps, and its sampled tokens, do not depend on who else is
@@ -434,47 +438,83 @@ class LLMEngine:
 
     def calibrate(self, steps: int = 8, context: int = 96) -> dict[int, dict[int, float]]:
         """Time each dynamic-k candidate at each slot bucket on the real batch shape, before any
-        request: every slot of the bucket running greedily at ``context`` tokens of a repeating
-        pattern (so a lookup drafter always proposes), one untimed burst of ``steps`` steps (the
-        first run of a program pays one-time costs) and one timed; each slot restarts at the same
-        length for every k. The times seed the buckets' cost models (single bursts measured while
-        serving were too noisy to rank k: BENCHMARKS.md). Nothing is left behind: the slots are
-        released and their pages were never the allocator's (empty engine: no page is held).
-        Returns {bucket: {k: seconds per step}}; a bucket whose slots the pool cannot hold at once
-        is left to be measured while serving."""
+        request. A pattern of ``context`` tokens (a repeated sentence, so a lookup drafter always
+        proposes and the target, attending to it, continues it) is prefilled once for real,
+        through slot 0 with the compiled prefill step; then every slot of a bucket runs greedily
+        from the end of that context, all of them on the same page table (identical sequences
+        write identical K/V to the same places, and a position is always written before any
+        query reads it), one untimed burst of ``steps`` steps (the first run of a program pays
+        one-time costs) and one timed; each slot restarts at the same length for every k.
+
+        The prefill matters: verification attending to pages that were never written made the
+        target's choices garbage, the lookup lost its match after one step, and the "speculative"
+        steps timed were plain ones (BENCHMARKS.md: k = 4 at 16 slots timed 60 ms a step against
+        165 ms in use). The times seed the buckets' cost models (single bursts measured while
+        serving were too noisy to rank k). Nothing is left behind: the slots are released and the
+        pages were never the allocator's (empty engine: no page is held). Returns
+        {bucket: {k: seconds per step}}; empty when the pool cannot hold the context. What share of
+        the slots' steps verified drafts (1.0 when the target kept to the pattern; 0 for k = 0) is
+        kept in ``calibration_drafted`` ({bucket: {k: share}})."""
         if self.scheduler.has_work():
             raise ConfigError("calibrate() runs on an empty engine")
         k_max = max(self.cost.candidates)
         context = min(context, self.buffer_len - 2 * steps * (k_max + 1) - 1)
         length = context + 2 * steps * (k_max + 1) + 1
         pages = self.allocator.pages_for(length)
-        width = self.scheduler.tables().shape[1]
-        pattern = (np.arange(context) % 7 + 2) % self.model.config.vocab_size
+        tables = np.zeros_like(self.scheduler.tables())
+        if context < 8 or pages > self.allocator.num_usable or pages > tables.shape[1]:
+            return {}
+        tables[:, :pages] = self.allocator.reserved + np.arange(pages)
+        pattern = self._calibration_pattern(context)
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        self._prefill_pattern(pattern, tables, length, sp)
         out = {}
         for n in self.buckets:
-            if context < 8 or n * pages > self.allocator.num_usable or pages > width:
-                continue
-            tables = np.zeros_like(self.scheduler.tables())
-            for i in range(n):
-                tables[i, :pages] = self.allocator.reserved + i * pages + np.arange(pages)
             out[n] = {}
+            slots = np.arange(n, dtype=np.int32)
             for k in self.cost.candidates:
                 caps = np.full((len(self.scheduler.slots),), k, np.int32)
                 for i in range(n):
-                    self.runner.set_slot(self.drafter, slot_update(
-                        i, list(pattern), tables[i], length, context - 1, SamplingParams(max_tokens=1, ignore_eos=True),
-                        0, k, self.buffer_len))
-                slots = np.arange(n, dtype=np.int32)
+                    self.runner.set_slot(self.drafter, slot_update(i, pattern, tables[i], length, context - 1, sp,
+                                                                   0, k, self.buffer_len))
                 self.runner.burst(self._steps[k], tables, caps, None, steps, False, slots)
                 t0 = time.perf_counter()
                 snap = self.runner.burst(self._steps[k], tables, caps, None, steps, False, slots)
                 seconds = time.perf_counter() - t0
                 self.costs[n].observe(k, steps, seconds)
                 out[n][k] = seconds / steps
+                self.calibration_drafted.setdefault(n, {})[k] = (
+                    float(snap.num_drafts[:n].sum() / max(int(snap.num_steps[:n].sum()), 1)))
             for i in range(n):
                 self.runner.release(i)
             self._last_steps = int(snap.steps)
         return out
+
+    def _calibration_pattern(self, context: int) -> list[int]:
+        """``context`` tokens that the target continues exactly: a sentence repeated. (A cycle of
+        token ids 2..8, the earlier choice, is SmolLM2's special tokens, which it does not copy:
+        the lookup lost its match after a step.) Without a tokenizer, such a cycle of ids."""
+        if self.tokenizer is not None:
+            ids = encode_prompt(self.tokenizer, CALIBRATION_SENTENCE * (context // 4 + 1))
+            if len(ids) >= context:
+                return [int(t) for t in ids[:context]]
+        return [int(t) for t in (np.arange(context) % 7 + 2) % self.model.config.vocab_size]
+
+    def _prefill_pattern(self, pattern: list[int], tables: np.ndarray, length: int, sp: SamplingParams) -> None:
+        """Write the K/V (and the drafter's state) of ``pattern[:-1]`` into ``tables[0]``'s pages
+        through slot 0, in chunks of the widest compiled prefill shape, then free the slot."""
+        rows, width = max(self.prefill_shapes, key=lambda shape: shape[1])
+        pad = len(self.scheduler.slots)
+        caps = np.zeros((pad,), np.int32)
+        self.runner.set_slot(self.drafter, slot_update(0, pattern, tables[0], length, 0, sp, 0, 0, self.buffer_len))
+        for start in range(0, len(pattern) - 1, width):
+            n = min(width, len(pattern) - 1 - start)
+            tokens = np.zeros((rows, width), np.int32)
+            tokens[0, :n] = pattern[start:start + n]
+            q_lens, seg_rows = np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32)
+            q_lens[0], seg_rows[0] = n, 0
+            self.runner.burst(self._steps[self._prefill_k], tables, caps, Segment(tokens, q_lens, seg_rows), 1, False)
+        self.runner.release(0)
 
 
 @dataclasses.dataclass
