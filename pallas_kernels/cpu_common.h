@@ -22,9 +22,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
 
 namespace jspec_cpu {
 
@@ -52,18 +49,6 @@ inline float hsum(v16 v) {
 
 inline v16 splat(float f) { return v16{} + f; }
 
-// Denormal floats (below 1.2e-38) flushed to zero while a kernel's work runs, on whichever
-// thread runs it, as XLA's own CPU code runs: attention weights exp(score - max) of keys far
-// below the best one, times values, land there, and x86 cores take a slow path (a microcode
-// assist) for each such operand or result; the thread's previous mode is restored after.
-struct FlushDenormals {
-#if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15) and DAZ (bit 6)
-  ~FlushDenormals() { _mm_setcsr(saved); }
-#endif
-};
-
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
   struct State {
     std::atomic<int64_t> next{0};
@@ -75,7 +60,6 @@ inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<vo
   st->n = n;
   st->fn = std::move(fn);
   auto run = [](State& s) {
-    FlushDenormals flush;
     for (int64_t i = s.next.fetch_add(1); i < s.n; i = s.next.fetch_add(1)) s.fn(i);
   };
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
