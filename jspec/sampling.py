@@ -252,29 +252,25 @@ def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
 
     The running mass is found in two levels, blocks of 64 entries and the entries of one
     block, so the work is one pass of block sums over p plus two short cumulative sums. A
-    token with p = 0 is never drawn: the chosen block has mass, and within it the first entry
-    whose running sum exceeds the target rose there (if rounding leaves no entry above the
-    target, the block's last entry with mass is taken)."""
+    token with p = 0 is never drawn: the first running sum above the target rose there, and
+    when rounding leaves none above it (u times the total rounded up to the total), the last
+    block and entry with mass are taken."""
     v = p.shape[-1]
     nb = -(-v // _DRAW_BLOCK)
     blocks = jnp.pad(p.astype(jnp.float32), (0, nb * _DRAW_BLOCK - v)).reshape(nb, _DRAW_BLOCK)
-    ends = jnp.cumsum(jnp.sum(blocks, axis=-1))  # running mass at each block's end [nb]
+    sums = jnp.sum(blocks, axis=-1)
+    ends = jnp.cumsum(sums)  # running mass at each block's end [nb]
     target = jax.random.uniform(key, (), jnp.float32) * ends[-1]
-    b = jnp.minimum(jnp.sum(ends <= target), nb - 1)
-    b = _last_with_mass(ends > jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]]), b)
+    b = jnp.minimum(jnp.sum(ends <= target), _last_index(sums > 0))
     row = blocks[b]
     inner = jnp.cumsum(row) + jnp.where(b > 0, ends[jnp.maximum(b - 1, 0)], 0.0)
-    j = jnp.minimum(jnp.sum(inner <= target), _DRAW_BLOCK - 1)
-    j = _last_with_mass(row > 0, j)
+    j = jnp.minimum(jnp.sum(inner <= target), _last_index(row > 0))
     return (b * _DRAW_BLOCK + j).astype(jnp.int32)
 
 
-def _last_with_mass(has_mass: jax.Array, i: jax.Array) -> jax.Array:
-    """i if ``has_mass[i]``, else the last index before it with mass (rounding guard)."""
-    idx = jnp.arange(has_mass.shape[0], dtype=jnp.int32)
-    last = jnp.max(jnp.where(has_mass & (idx <= i), idx, -1))
-    first = jnp.argmax(has_mass).astype(jnp.int32)  # nothing at or before i: the first with mass
-    return jnp.where(has_mass[i], i, jnp.where(last >= 0, last, first)).astype(jnp.int32)
+def _last_index(mask: jax.Array) -> jax.Array:
+    """The last index where ``mask`` [n] holds (-1 if nowhere)."""
+    return jnp.max(jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), -1))
 
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
