@@ -13,7 +13,9 @@ from helpers import tiny_config, tiny_model
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
 from jspec.errors import ConfigError
-from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, with_small_row_weights
+from jspec.models.eagle import HEAD_PROJECTIONS, init_eagle_params
+from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, output_embedding, with_small_row_weights
+from jspec.speculative.drafters.eagle import EagleDrafter
 from pallas_kernels import small_rows
 from pallas_kernels.small_rows import pack_rows, unpack_rows
 
@@ -48,10 +50,16 @@ def test_with_small_row_weights_adds_packed_transposes_of_the_layer_projections_
     assert len(flat) == n_before + len(weights)
 
 
-def _greedy(model, spec, copy, prompts):
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=96, small_row_weights=copy), spec)
-    has_copy = any(getattr(k, "key", None) == "weight"
-                   for path, _ in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0] for k in path)
+def _packed(tree) -> list[str]:
+    """Paths of the packed copies in a parameter tree."""
+    return ["/".join(str(getattr(k, "key", k)) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] if getattr(path[-1], "key", None) == "weight"]
+
+
+def _greedy(model, spec, copy, prompts, drafter=None, drafter_params=None, with_stats=False):
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=96, small_row_weights=copy), spec,
+                       drafter=drafter, drafter_params=drafter_params)
+    has_copy = bool(_packed(engine.runner.params))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=24, ignore_eos=True))
     out = {}
@@ -59,7 +67,8 @@ def _greedy(model, spec, copy, prompts):
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = o.outputs[0].token_ids
-    return [out[str(i)] for i in range(len(prompts))], has_copy
+    outs = [out[str(i)] for i in range(len(prompts))]
+    return (outs, has_copy, engine) if with_stats else (outs, has_copy)
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("ngram", num_speculative_tokens=4)], ids=["ar", "ngram4"])
@@ -78,3 +87,27 @@ def test_small_row_weights_must_be_a_bool_on_one_device():
         EngineConfig(small_row_weights="yes")
     with pytest.raises(ConfigError, match="one device"):
         EngineConfig(small_row_weights=True, tensor_parallel_size=2)
+
+
+def test_an_eagle_head_is_packed_too_and_drafts_the_same():
+    """The engine packs a drafter's projections beside the target's (an EAGLE-3 head's fusion,
+    ``fc`` and decoder layer; its draft-vocabulary LM head reads its rows in place): the drafts it
+    makes, counted by the tokens accepted, and the output are the same with and without."""
+    model = tiny_model(tiny_config(num_layers=4), scale=3.0)
+    cfg, layers = model.config, (0, 2, 3)
+    vocab_ids = jnp.arange(0, cfg.vocab_size, 2, dtype=jnp.int32)  # a draft vocabulary of every other token
+    params = {"head": init_eagle_params(cfg, jax.random.key(1), model.params, num_features=len(layers)),
+              "lm_head": output_embedding(model.params, cfg)[vocab_ids], "vocab_ids": vocab_ids}
+    drafter = EagleDrafter(3, cfg, feature_layers=layers)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(1, cfg.vocab_size, n)) * 2 for n in (5, 9, 13)]
+    runs = {copy: _greedy(model, SpecConfig(), copy, prompts, drafter, params, with_stats=True) for copy in (True, False)}
+    (with_copy, has, packed), (without, has_not, plain) = runs[True], runs[False]
+    assert has and not has_not
+    head_copies = _packed(packed.runner.drafter_params)
+    assert sorted(p.split("/")[-2] for p in head_copies) == sorted(HEAD_PROJECTIONS)
+    assert not _packed(plain.runner.drafter_params)
+    assert with_copy == without
+    assert packed.stats.num_drafts > 0 and packed.stats.num_accepted_tokens > 0  # the head drafted and was right
+    assert (packed.stats.num_accepted_tokens, packed.stats.num_drafts) == (plain.stats.num_accepted_tokens,
+                                                                           plain.stats.num_drafts)

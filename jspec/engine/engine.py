@@ -40,6 +40,7 @@ from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_up
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
+from jspec.models.eagle import HEAD_PROJECTIONS
 from jspec.models.llama import Segment, small_rows_apply, with_small_row_weights
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter
@@ -183,6 +184,8 @@ class LLMEngine:
                           device=None if device.platform == "cpu" else device)
         copy = self._small_row_weights(config, mc, device)
         params = with_small_row_weights(model.params) if copy else model.params
+        if copy and isinstance(drafter_params, dict):  # a draft model's layers, an EAGLE head's projections
+            drafter_params = with_small_row_weights(drafter_params, HEAD_PROJECTIONS)
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

@@ -48,7 +48,13 @@ import jax.numpy as jnp
 from jspec import attention as attention_lib
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
-from jspec.models.llama import DecoderLayer, DenseContext, RMSNorm, Segment, segment_meta
+from jspec.models.llama import PROJECTIONS, DecoderLayer, DenseContext, Linear, RMSNorm, Segment, segment_meta
+
+
+# The head's projections, each a :class:`~jspec.models.llama.Linear` (``nn.Dense``'s parameters):
+# drafting runs them on a few rows, so the engine packs them for the CPU small-row kernel
+# (``with_small_row_weights(params, HEAD_PROJECTIONS)``) like the target's.
+HEAD_PROJECTIONS = PROJECTIONS + ("fuse", "fc")
 
 
 class HeadOutput(NamedTuple):
@@ -79,9 +85,9 @@ class EagleHead(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         b, t = embeds.shape[:2]
         if self.num_features and not fused:
-            prev = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fuse")(
-                rms_parts(prev.astype(embeds.dtype), self.num_features))
-        x = nn.Dense(cfg.hidden_size, dtype=dtype, param_dtype=dtype, name="fc")(
+            prev = Linear(cfg.hidden_size, dtype=dtype, name="fuse")(rms_parts(prev.astype(embeds.dtype),
+                                                                              self.num_features))
+        x = Linear(cfg.hidden_size, use_bias=True, dtype=dtype, name="fc")(
             jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1))
         layer = DecoderLayer(cfg, self.attention, name="layer")
         if isinstance(context, DenseContext):

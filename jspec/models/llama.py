@@ -220,17 +220,27 @@ class Linear(nn.Module):
         return y
 
 
-def with_small_row_weights(params):
+def times_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """``x`` [..., K] times ``rows`` [N, K] transposed -> float32 [..., N] (a tied LM head, a draft
+    vocabulary's embedding rows): a few float32 rows go through the CPU small-row kernel, which
+    reads ``rows`` as they are (no packed copy), anything else through XLA's product."""
+    if _few_rows(x, rows.dtype):
+        return small_rows.small_rows_matmul(x.astype(jnp.float32), rows)
+    return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
+
+
+def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS):
     """``params`` with a packed copy ``weight`` (``pallas_kernels.small_rows.pack_rows`` of the
-    kernel's transpose) beside every decoder-layer projection's ``kernel``, which
-    :class:`Linear` reads for products of a few rows on the CPU small-row kernel. The copy costs
-    the projections' memory once more (425 MB for SmolLM2-135M in float32). Outputs equal the
-    plain parameters' up to float rounding (another summation order)."""
+    kernel's transpose) beside the ``kernel`` of every :class:`Linear` called one of ``names``
+    (by default a decoder layer's projections), which it reads for products of a few rows on the
+    CPU small-row kernel. The copy costs the projections' memory once more (425 MB for
+    SmolLM2-135M in float32). Outputs equal the plain parameters' up to float rounding (another
+    summation order)."""
 
     def walk(tree):
         out = {}
         for name, sub in tree.items():
-            if name in PROJECTIONS and "kernel" in sub:
+            if name in names and isinstance(sub, dict) and "kernel" in sub:
                 sub = {**sub, "weight": small_rows.pack_rows(jnp.asarray(sub["kernel"]).T)}
             elif isinstance(sub, dict):
                 sub = walk(sub)
