@@ -2,7 +2,7 @@
 arrivals, with speculation off, fixed k and dynamic k, beside transformers' static batching.
 
     python benchmarks/bench_engine.py [--prompts 16] [--max-tokens 128] [--batch-sizes 1,4,16,32]
-                                      [--methods ar,ngram:4,eagle:4,dynamic:4] [--no-hf]
+                                      [--methods ar,ngram:4,eagle:3,hybrid:3,dynamic:4] [--no-hf]
                                       [--online-rates 0.5,1,2] [--online-requests 24] [--plot PNG]
 
 Offline: the first ``--prompts`` HumanEval problems (a documented subset: 164 x 256 tokens per
@@ -49,8 +49,8 @@ def spec_of(method: str) -> SpecConfig:
         return SpecConfig()
     if name == "ngram":
         return SpecConfig("ngram", k)
-    if name == "eagle":
-        return SpecConfig("eagle", k, draft=str(ROOT / "checkpoints" / "smollm2-135m-eagle"))
+    if name in ("eagle", "hybrid"):  # the shipped EAGLE-3 head; hybrid: n-gram lookup, else that head
+        return SpecConfig(name, k, draft=str(ROOT / "checkpoints" / "smollm2-135m-eagle3"))
     if name == "draft":
         return SpecConfig("draft", k, draft=str(ROOT / "checkpoints" / "smollm2-135m-draft"))
     if name == "dynamic":
@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,4,16,32")
-    ap.add_argument("--methods", default="ar,ngram:4,eagle:4,dynamic:4")
+    ap.add_argument("--methods", default="ar,ngram:4,eagle:3,dynamic:4")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--online-rates", default="0.5,1,2")
     ap.add_argument("--online-requests", type=int, default=24)
