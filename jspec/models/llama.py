@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
             if _few_rows(hidden, self.config.dtype):
-                logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), self.embed_tokens.embedding)
+                logits = times_rows(hidden, self.embed_tokens.embedding)
             else:
                 logits = self.embed_tokens.attend(hidden)
         else:
