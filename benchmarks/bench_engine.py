@@ -11,6 +11,10 @@ engine at each ``max_num_seqs`` with each method, and transformers' batched ``ge
 batches of the same size, left padding, greedy). Every method is greedy, so each engine run must
 produce the same tokens as jspec AR at batch 1 (a mismatch is reported per method). Throughput is
 generated tokens over wall time (compilation excluded: each configuration is warmed up first).
+With ``--rounds R`` (default 1) every method's engine at a batch size is built and warmed up
+first, then the prompts run R times through each, the methods interleaved (round r starts at the
+r-th method, so drift on a shared machine falls on all of them) and the prefix cache emptied
+before each run (``reset_prefix_cache``); a method's throughput is the median over its rounds.
 A method written ``METHOD@rows`` (``ar@rows``, ``ngram:4@rows``) runs with the engine's small-row
 weight copy (``EngineConfig(small_row_weights=True)``), ``METHOD@norows`` without it (``False``),
 for a side-by-side comparison; a method without a suffix runs on the engine's default (the copy
@@ -157,6 +161,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,4,16,32")
     ap.add_argument("--methods", default="ar,ngram:4,eagle:3,dynamic:4")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per method, interleaved; the median counts")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--online-rates", default="0.5,1,2")
     ap.add_argument("--online-requests", type=int, default=24)
@@ -177,23 +182,40 @@ def main():
     results = {"offline": [], "online": []}
     reference = None
     for b in sizes:
+        engines = {}
         for m in methods:
-            engine = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
-            out, seconds, extra = offline(engine, ids, sp)
-            if reference is None:
-                reference = out
-            same = sum(a == r for a, r in zip(out, reference))
-            tokens = sum(map(len, out))
-            row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
-                   "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **extra}
-            if m.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
-                most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
-                row["k chosen"] = engine.costs[most].chosen
-                row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v}
-                row["bursts by slot bucket"] = engine.stats.bursts_by_slots
-            results["offline"].append(row)
-            print(json.dumps(row), flush=True)
-            release(engine)
+            if args.rounds == 1:  # one engine alive at a time (a long sweep's memory maps)
+                engines = {m: engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))}
+                runs = {m: [offline(engines[m], ids, sp)]}
+            else:
+                engines[m] = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
+                if m != methods[-1]:
+                    continue
+                runs = {m: [] for m in engines}
+                for r in range(args.rounds):
+                    for m2 in methods[r % len(methods):] + methods[:r % len(methods)]:
+                        engines[m2].reset_prefix_cache()
+                        runs[m2].append(offline(engines[m2], ids, sp))
+            for m2, done in runs.items():
+                engine = engines[m2]
+                if reference is None:
+                    reference = done[0][0]
+                same = min(sum(a == r for a, r in zip(out, reference)) for out, _, _ in done)
+                tokens = sum(map(len, done[0][0]))
+                seconds = float(np.median([sec for _, sec, _ in done]))
+                row = {"batch": b, "method": m2, "tokens": tokens, "seconds": round(seconds, 2),
+                       "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **done[-1][2]}
+                if len(done) > 1:
+                    row["tok/s by round"] = [round(sum(map(len, out)) / sec, 1) for out, sec, _ in done]
+                if m2.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
+                    most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
+                    row["k chosen"] = engine.costs[most].chosen
+                    row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v}
+                    row["bursts by slot bucket"] = engine.stats.bursts_by_slots
+                results["offline"].append(row)
+                print(json.dumps(row), flush=True)
+                release(engine)
+            engines = {}
         if not args.no_hf:
             hf = results.setdefault("_hf", common.load_hf_peer())
             common.hf_generate(hf, ids[0], 4)  # warm-up

@@ -205,6 +205,32 @@ def test_prefix_cache_hits_are_exact_and_prefill_less(target, drafters):
                 assert reqs[i].metrics.num_accepted_tokens_per_pos == reqs_off[i].metrics.num_accepted_tokens_per_pos
 
 
+def test_reset_prefix_cache_forgets_pages_only_when_idle(target):
+    """``reset_prefix_cache()`` (vLLM's name): refused while a request runs (the cache stays),
+    then the same prompt prefills from scratch and decodes the same tokens."""
+    prompt = prompts_with_repeats(1, seed=5, lo=39, hi=40)[0]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 + 64, max_model_len=128, page_size=8)
+    engine = LLMEngine(target, config)
+
+    def finish(rid):
+        r = engine.add_request(rid, prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return r
+
+    first = finish("a")
+    r = engine.add_request("b", prompt, GREEDY)
+    engine.step()
+    assert engine.reset_prefix_cache() is False and r.metrics.num_cached_tokens == 32
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.allocator.num_cached > 0 and engine.reset_prefix_cache() is True
+    assert engine.allocator.num_cached == 0
+    again = finish("c")
+    assert again.metrics.num_cached_tokens == 0 and again.metrics.num_prefilled_tokens == len(prompt) - 1
+    assert again.output_ids == first.output_ids == r.output_ids == solo(target, prompt, GREEDY)
+
+
 @pytest.mark.parametrize("name", ["eagle-3", "eagle3-3"])
 def test_eagle_state_after_a_prefix_hit_equals_a_full_prefill(target, drafters, name):
     """The EAGLE head's previous feature and its K/V for a prompt that starts from cached pages

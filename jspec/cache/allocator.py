@@ -97,6 +97,17 @@ class PageAllocator:
         self._page_of[key] = page
         self._key_of[page] = key
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page's key (vLLM's ``reset_prefix_cache``), so later prompts
+        prefill from scratch: for benchmarks that repeat a run, and after weights change. Only
+        when no page is held (a held page's key is what running requests share); returns
+        whether the cache was reset."""
+        if self._refs[self.reserved:].any():
+            return False
+        self._key_of.clear()
+        self._page_of.clear()
+        return True
+
     def lookup(self, key: Hashable) -> Optional[int]:
         """The cached page for ``key``, with a reference taken; None on a miss."""
         page = self._page_of.get(key)

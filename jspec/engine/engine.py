@@ -251,6 +251,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's name); False, and nothing changed, while requests are
+        unfinished."""
+        return not self.scheduler.has_work() and self.allocator.reset_prefix_cache()
+
     def pop_finished(self) -> None:
         """Forget finished requests (a long-running server calls this to bound memory)."""
         for rid in [rid for rid, r in self.requests.items() if r.status is Status.FINISHED]:

@@ -63,6 +63,11 @@ class LLM:
     def get_tokenizer(self):
         return self.model.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt pages (as vLLM's ``LLM.reset_prefix_cache``): the next
+        prompts prefill from scratch. Returns False while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def _add(self, prompts, sampling_params, chat: bool) -> list[str]:
         prompts = normalize_prompts(prompts)
         if sampling_params is None:
