@@ -49,3 +49,28 @@ def test_unmeasured_candidates_are_tried_first():
     cost = CostModel((0, 2, 4))
     cost.observe(0, 4, 0.4)
     assert cost.choose(short_proposals(1)) == 2
+
+
+def test_stale_candidates_are_retimed_only_while_they_could_win():
+    """After ``refresh_every`` choices without it a k is timed again, but not a k far slower
+    than the best (each such burst cost dynamic k 10-20% at 16 slots)."""
+    rows = short_proposals()  # k = 0 wins by far on STEP_SECONDS (tested above)
+    cost = measured()
+    picks = []
+    for _ in range(3 * cost.refresh_every):
+        picks.append(cost.choose(rows))
+        cost.observe(picks[-1], steps=10, seconds=10 * STEP_SECONDS[picks[-1]])
+    # k = 1's estimated rate is 0.91x k = 0's (re-timed now and then), k = 2's and 4's ~0.82x
+    assert set(picks) == {0, 1} and picks.count(1) <= 3
+    # drafts never accepted and steps that cost alike: every k within a few percent of the best,
+    # so each is re-timed in turn while the best runs the rest
+    seconds = {0: 0.100, 1: 0.101, 2: 0.102, 4: 0.103}
+    rejected = [(4, 0, 225, 150, 200, [0, 0, 0, 0])] * 16
+    close = CostModel(seconds)
+    for k, t in seconds.items():
+        close.observe(k, steps=10, seconds=10 * t)
+    picks = []
+    for _ in range(2 * close.refresh_every + 2):
+        picks.append(close.choose(rejected))
+        close.observe(picks[-1], steps=10, seconds=10 * seconds[picks[-1]])
+    assert set(picks) == set(seconds) and max(map(picks.count, seconds)) > 0.9 * len(picks)

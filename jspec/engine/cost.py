@@ -19,7 +19,12 @@ dynamic k at batch 16 kept k = 4 at 0.69x AR). Positions beyond the k a request 
 stay near the prior's low a^j, so the estimate errs towards smaller k. The burst
 runs at the k with the most expected tokens per second, sum_b E_b(min(k, cap_b)) / t(k); k = 0
 (no speculation) is a candidate, so speculation turns itself off when it stops paying.
-Candidates never measured are tried once first.
+Candidates never measured are tried once first. A measured candidate is timed again after
+``refresh_every`` choices without it (times drift with context length and load), but only while
+its estimated rate is within ``refresh_margin`` of the best one's: re-timing a k that cannot win
+costs a whole burst at that k (at 16 slots on the 2-core CPU a k = 4 step costs 3.4x a plain
+one), and doing so every 64 bursts cost dynamic k 10-20% of its throughput in the later rounds
+of a benchmark (BENCHMARKS.md, engine, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from typing import Iterable, Optional, Sequence
 
 class CostModel:
     def __init__(self, candidates: Iterable[int], prior_acceptance: float = 0.5, prior_weight: float = 8.0,
-                 smoothing: float = 0.3, refresh_every: int = 64):
+                 smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15):
         self.candidates = tuple(sorted(set(candidates)))
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.smoothing = smoothing
         self.refresh_every = refresh_every
+        self.refresh_margin = refresh_margin
         self.step_seconds: dict[int, Optional[float]] = {k: None for k in self.candidates}
         self.chosen = 0
         self._since: dict[int, int] = {k: 0 for k in self.candidates}
@@ -69,15 +75,14 @@ class CostModel:
             return self.chosen
         for k in self.candidates:
             self._since[k] += 1
-        stale = [k for k in self.candidates if self.step_seconds[k] is None or self._since[k] > self.refresh_every]
-        if stale:
-            self.chosen = stale[0]
+        unmeasured = [k for k in self.candidates if self.step_seconds[k] is None]
+        if unmeasured:
+            self.chosen = unmeasured[0]
             return self.chosen
-        best, best_rate = self.candidates[0], -1.0
-        for k in self.candidates:
-            tokens = sum(self.expected_tokens(min(k, cap), *counts) for cap, *counts in requests)
-            rate = tokens / self.step_seconds[k]
-            if rate > best_rate:
-                best, best_rate = k, rate
-        self.chosen = best
-        return best
+        rate = {k: sum(self.expected_tokens(min(k, cap), *counts) for cap, *counts in requests) / self.step_seconds[k]
+                for k in self.candidates}
+        best = max(self.candidates, key=lambda k: rate[k])  # the first of equals: the smallest k
+        stale = [k for k in self.candidates if self._since[k] > self.refresh_every
+                 and rate[k] >= (1 - self.refresh_margin) * rate[best]]
+        self.chosen = stale[0] if stale else best
+        return self.chosen
