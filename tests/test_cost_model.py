@@ -54,7 +54,7 @@ def test_unmeasured_candidates_are_tried_first():
 def test_stale_candidates_are_retimed_only_while_they_could_win():
     """After ``refresh_every`` choices without it a k is timed again, but not a k far slower
     than the best (each such burst cost dynamic k 10-20% at 16 slots)."""
-    rows = short_proposals()  # k = 0 wins by far on STEP_SECONDS (tested above)
+    rows = short_proposals()  # k = 0 wins on STEP_SECONDS (tested above)
     cost = measured()
     picks = []
     for _ in range(3 * cost.refresh_every):
