@@ -182,32 +182,26 @@ def main():
     results = {"offline": [], "online": []}
     reference = None
     for b in sizes:
-        engines = {}
-        for m in methods:
-            if args.rounds == 1:  # one engine alive at a time (a long sweep's memory maps)
-                engines = {m: engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))}
-                runs = {m: [offline(engines[m], ids, sp)]}
-            else:
-                engines[m] = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
-                if m != methods[-1]:
-                    continue
-                runs = {m: [] for m in engines}
-                for r in range(args.rounds):
-                    for m2 in methods[r % len(methods):] + methods[:r % len(methods)]:
-                        engines[m2].reset_prefix_cache()
-                        runs[m2].append(offline(engines[m2], ids, sp))
-            for m2, done in runs.items():
-                engine = engines[m2]
+        # one engine alive at a time (a long sweep's memory maps), unless rounds interleave them
+        for group in ([[m] for m in methods] if args.rounds == 1 else [methods]):
+            engines = {m: engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m)) for m in group}
+            runs = {m: [] for m in group}
+            for r in range(args.rounds):
+                for m in group[r % len(group):] + group[:r % len(group)]:
+                    engines[m].reset_prefix_cache()
+                    runs[m].append(offline(engines[m], ids, sp))
+            for m, done in runs.items():
+                engine = engines[m]
                 if reference is None:
                     reference = done[0][0]
                 same = min(sum(a == r for a, r in zip(out, reference)) for out, _, _ in done)
                 tokens = sum(map(len, done[0][0]))
                 seconds = float(np.median([sec for _, sec, _ in done]))
-                row = {"batch": b, "method": m2, "tokens": tokens, "seconds": round(seconds, 2),
+                row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
                        "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **done[-1][2]}
                 if len(done) > 1:
                     row["tok/s by round"] = [round(sum(map(len, out)) / sec, 1) for out, sec, _ in done]
-                if m2.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
+                if m.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
                     most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
                     row["k chosen"] = engine.costs[most].chosen
                     row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v}
@@ -215,7 +209,6 @@ def main():
                 results["offline"].append(row)
                 print(json.dumps(row), flush=True)
                 release(engine)
-            engines = {}
         if not args.no_hf:
             hf = results.setdefault("_hf", common.load_hf_peer())
             common.hf_generate(hf, ids[0], 4)  # warm-up
