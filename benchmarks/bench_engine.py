@@ -47,18 +47,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def spec_of(method: str) -> SpecConfig:
-    name, _, k = method.split("@")[0].partition(":")
-    k = int(k or 4)
+    """``ar``, ``ngram:K``, ``eagle:K``, ``hybrid:K``, ``draft:K``, ``dynamic:K`` (n-gram, k chosen
+    per burst up to K); the n-gram ones take the shortest match as a third part
+    (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default)."""
+    name, *rest = method.split("@")[0].split(":")
+    k = int(rest[0]) if rest and rest[0] else 4
+    lookup = {"ngram_min": int(rest[1])} if len(rest) > 1 and name in ("ngram", "dynamic") else {}
     if name == "ar":
         return SpecConfig()
     if name == "ngram":
-        return SpecConfig("ngram", k)
+        return SpecConfig("ngram", k, **lookup)
     if name in ("eagle", "hybrid"):  # the shipped EAGLE-3 head; hybrid: n-gram lookup, else that head
         return SpecConfig(name, k, draft=str(ROOT / "checkpoints" / "smollm2-135m-eagle3"))
     if name == "draft":
         return SpecConfig("draft", k, draft=str(ROOT / "checkpoints" / "smollm2-135m-draft"))
     if name == "dynamic":
-        return SpecConfig("ngram", k, dynamic_k=True)
+        return SpecConfig("ngram", k, dynamic_k=True, **lookup)
     raise SystemExit(f"unknown method {method!r}")
 
 

@@ -250,7 +250,10 @@ class SpecConfig:
     method: str = "none"
     num_speculative_tokens: int = 4
     ngram_max: int = 3  # n-gram prompt lookup (ngram, hybrid): longest suffix tried first ...
-    ngram_min: int = 2  # ... down to this length
+    # ... down to this length; None: 1 for ngram (a one-token match is worth verifying where a
+    # verification costs little more than a decode step: BENCHMARKS.md, "the shortest match"),
+    # 2 for hybrid (a one-token match falls to the head there)
+    ngram_min: Optional[int] = None
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
     draft: Optional[str] = None  # draft / eagle / hybrid: name or path of the draft checkpoint
     dynamic_k: bool = False  # the engine picks k per burst (0 .. num_speculative_tokens) by measured cost
@@ -258,6 +261,8 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.ngram_min is None:
+            object.__setattr__(self, "ngram_min", 2 if self.method == "hybrid" else 1)
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
             if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= INT32_MAX:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
