@@ -74,3 +74,20 @@ def test_stale_candidates_are_retimed_only_while_they_could_win():
         picks.append(close.choose(rejected))
         close.observe(picks[-1], steps=10, seconds=10 * seconds[picks[-1]])
     assert set(picks) == set(seconds) and max(map(picks.count, seconds)) > 0.9 * len(picks)
+
+
+def test_step_times_are_smoothed_per_step_not_per_burst():
+    """Eight one-step bursts move a k's step time as far as one eight-step burst at the same
+    rate; a one-step burst alone barely moves it (its time carries the burst's fixed host cost)."""
+    bursts, steps = CostModel((0, 4)), CostModel((0, 4))
+    for cost in (bursts, steps):
+        cost.observe(4, steps=8, seconds=8 * 0.025)
+    steps.observe(4, steps=8, seconds=8 * 0.040)
+    for _ in range(8):
+        bursts.observe(4, steps=1, seconds=0.040)
+    assert bursts.step_seconds[4] == pytest.approx(steps.step_seconds[4])
+    assert steps.step_seconds[4] == pytest.approx(0.025 + 0.3 * 0.015)
+    once = CostModel((0, 4))
+    once.observe(4, steps=8, seconds=8 * 0.025)
+    once.observe(4, steps=1, seconds=0.040)
+    assert once.step_seconds[4] < 0.0257

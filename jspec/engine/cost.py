@@ -34,11 +34,13 @@ from typing import Iterable, Optional, Sequence
 
 class CostModel:
     def __init__(self, candidates: Iterable[int], prior_acceptance: float = 0.5, prior_weight: float = 8.0,
-                 smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15):
+                 smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15,
+                 smoothing_steps: int = 8):
         self.candidates = tuple(sorted(set(candidates)))
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.smoothing = smoothing
+        self.smoothing_steps = smoothing_steps
         self.refresh_every = refresh_every
         self.refresh_margin = refresh_margin
         self.step_seconds: dict[int, Optional[float]] = {k: None for k in self.candidates}
@@ -50,7 +52,13 @@ class CostModel:
             return
         per = seconds / steps
         old = self.step_seconds[k]
-        self.step_seconds[k] = per if old is None else (1 - self.smoothing) * old + self.smoothing * per
+        # forgetting per step, not per burst: a burst of ``smoothing_steps`` steps moves the
+        # estimate by ``smoothing``, a one-step burst (a request's first token, a short tail) by
+        # an eighth as much. A burst's time carries a fixed host cost whatever k runs; weighed
+        # like a full burst, the one-step bursts of a batch-1 run pushed k = 4 from ~25 to
+        # 31-36 ms a step and dynamic k to k = 2 (BENCHMARKS.md, engine, 2026-12-03)
+        weight = 1.0 - (1.0 - self.smoothing) ** (steps / self.smoothing_steps)
+        self.step_seconds[k] = per if old is None else old + weight * (per - old)
         self._since[k] = 0
 
     def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int,
