@@ -52,7 +52,9 @@ def spec_of(method: str) -> SpecConfig:
     (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default)."""
     name, *rest = method.split("@")[0].split(":")
     k = int(rest[0]) if rest and rest[0] else 4
-    lookup = {"ngram_min": int(rest[1])} if len(rest) > 1 and name in ("ngram", "dynamic") else {}
+    if len(rest) > (2 if name in ("ngram", "dynamic") else 1):
+        raise SystemExit(f"too many parts in method {method!r}")
+    lookup = {"ngram_min": int(rest[1])} if len(rest) > 1 else {}
     if name == "ar":
         return SpecConfig()
     if name == "ngram":

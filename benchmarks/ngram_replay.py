@@ -65,7 +65,7 @@ def replay(seq: np.ndarray, prompt_len: int, k: int, n_max: int, n_min: int) -> 
 def speedups(runs: list[tuple[int, list]], k: int, slope: float) -> tuple[float, float]:
     """(median per-request speedup, aggregate speedup) of decode time over plain decoding."""
     costs = [(tokens, sum(1.0 + slope * k if proposed else 1.0 for proposed, _ in steps))
-             for tokens, steps in runs if tokens > 8]
+             for tokens, steps in runs if tokens > 8]  # a request that stops at once has no decode time to speak of
     per_request = [tokens / cost for tokens, cost in costs]
     return float(np.median(per_request)), sum(t for t, _ in costs) / sum(c for _, c in costs)
 
