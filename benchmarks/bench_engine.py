@@ -46,15 +46,26 @@ from jspec.timing import Stopwatch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+HISTORY_TOKENS = 8192  # ``+history``: the lookup history's size
+
+
 def spec_of(method: str) -> SpecConfig:
     """``ar``, ``ngram:K``, ``eagle:K``, ``hybrid:K``, ``draft:K``, ``dynamic:K`` (n-gram, k chosen
     per burst up to K); the n-gram ones take the shortest match as a third part
-    (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default)."""
-    name, *rest = method.split("@")[0].split(":")
+    (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default) and ``+history``
+    (``ngram:4+history``: ``ngram_history`` of HISTORY_TOKENS; emptied before every run)."""
+    base, plus, extra = method.split("@")[0].partition("+")
+    if plus and extra != "history":
+        raise SystemExit(f"unknown part +{extra} in method {method!r} (only +history)")
+    name, *rest = base.split(":")
     k = int(rest[0]) if rest and rest[0] else 4
     if len(rest) > (2 if name in ("ngram", "dynamic") else 1):
         raise SystemExit(f"too many parts in method {method!r}")
+    if plus and name not in ("ngram", "dynamic"):
+        raise SystemExit(f"+history applies to ngram and dynamic, not {method!r}")
     lookup = {"ngram_min": int(rest[1])} if len(rest) > 1 else {}
+    if plus:
+        lookup["ngram_history"] = HISTORY_TOKENS
     if name == "ar":
         return SpecConfig()
     if name == "ngram":
@@ -195,6 +206,7 @@ def main():
             for r in range(args.rounds):
                 for m in group[r % len(group):] + group[:r % len(group)]:
                     engines[m].reset_prefix_cache()
+                    engines[m].reset_lookup_history()  # each run starts from what its prompts give
                     runs[m].append(offline(engines[m], ids, sp))
             for m, done in runs.items():
                 engine = engines[m]

@@ -25,6 +25,7 @@ MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
 MAX_NGRAM = 64  # n-gram lookup unrolls one comparison per suffix token
+MAX_NGRAM_HISTORY = 1 << 20  # tokens of lookup history: every step compares each n-gram against all of them
 
 
 def _is_int(x) -> bool:
@@ -254,6 +255,9 @@ class SpecConfig:
     # verification costs little more than a decode step: BENCHMARKS.md, "the shortest match"),
     # 2 for hybrid (a one-token match falls to the head there)
     ngram_min: Optional[int] = None
+    # ngram: also search the last this many tokens of finished requests' text (0: off; see
+    # jspec.speculative.drafters.ngram, "lookup history")
+    ngram_history: int = 0
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
     draft: Optional[str] = None  # draft / eagle / hybrid: name or path of the draft checkpoint
     dynamic_k: bool = False  # the engine picks k per burst (0 .. num_speculative_tokens) by measured cost
@@ -263,11 +267,15 @@ class SpecConfig:
             raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
         if self.ngram_min is None:
             object.__setattr__(self, "ngram_min", 2 if self.method == "hybrid" else 1)
-        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers"):
             if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= INT32_MAX:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.draft is not None and not isinstance(self.draft, str):
             raise ConfigError(f"draft must be a name or path (str), got {self.draft!r}")
+        if self.ngram_history and self.method != "ngram":
+            raise ConfigError(f"ngram_history applies to spec method 'ngram', not {self.method!r}")
+        if self.ngram_history > MAX_NGRAM_HISTORY:
+            raise ConfigError(f"ngram_history must be <= {MAX_NGRAM_HISTORY} tokens, got {self.ngram_history}")
         if self.method == "none":
             return
         k = self.num_speculative_tokens
@@ -295,7 +303,7 @@ class SpecConfig:
         layerskip, draft_model, eagle; and jspec's hybrid: n-gram lookup, else the EAGLE head
         ``model``), ``num_speculative_tokens``, ``model`` (draft path or shipped name),
         ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram and hybrid), ``layers``
-        (layer-skip), ``dynamic_k``."""
+        (layer-skip), ``dynamic_k``; and jspec's ``ngram_history`` (n-gram)."""
         if d is None:
             return cls()
         if isinstance(d, SpecConfig):
@@ -303,7 +311,7 @@ class SpecConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
-                 "layers", "dynamic_k"}
+                 "layers", "dynamic_k", "ngram_history"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
@@ -318,7 +326,9 @@ class SpecConfig:
             kw["ngram_min"] = d["prompt_lookup_min"]
         if "layers" in d:
             kw["layerskip_layers"] = d["layers"]
-        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "layerskip_layers"):
+        if "ngram_history" in d:
+            kw["ngram_history"] = d["ngram_history"]
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers"):
             if name in kw and not _is_int(kw[name]):
                 raise ConfigError(f"speculative_config: {name} must be an integer, got {kw[name]!r}")
         return cls(**kw)

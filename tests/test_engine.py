@@ -472,3 +472,41 @@ def test_prefill_width_weighs_padding_against_a_steps_overhead():
     cpu, free = scheduler(16), scheduler(None)
     assert [cpu.chunk_width(n) for n in (110, 46, 10, 230, 1000)] == [64, 64, 16, 256, 256]
     assert [free.chunk_width(n) for n in (110, 46, 10, 200, 1000)] == [256, 64, 16, 256, 256]
+
+
+def test_lookup_history_drafts_from_finished_requests(target):
+    """With ``ngram_history`` the lookup also searches finished requests' text: the same prompt
+    run again is drafted from the first run's output (fewer steps, more accepted), its greedy
+    tokens still equal the solo run's; after ``reset_lookup_history`` it takes the first run's
+    steps again; replacing the history between bursts compiles nothing."""
+    rng = random.Random(11)
+    prompt = rng.sample(range(2, 96), 12)  # distinct tokens: the prompt alone gives the lookup little
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 5 + 32, max_model_len=64, page_size=8,
+                          max_burst_steps=4)
+    engine = LLMEngine(target, config, SpecConfig("ngram", 4, ngram_history=128))
+    engine.warmup()
+    want = solo(target, prompt, sp)  # (compiles a plain engine of its own)
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event.endswith(  # noqa: E731
+        ("backend_compile_duration", "jaxpr_to_mlir_module_duration")) else None
+
+    def once(i):
+        r = engine.add_request(str(i), prompt, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert r.output_ids == want
+        return r.metrics
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first, again = once(0), once(1)
+        engine.reset_lookup_history()
+        reset = once(2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert again.num_steps < first.num_steps and again.num_accepted_tokens > first.num_accepted_tokens, (first, again)
+    assert (reset.num_steps, reset.num_accepted_tokens) == (first.num_steps, first.num_accepted_tokens)
+    assert compiles == []
+    history = np.asarray(engine.runner.drafter_params["history"])
+    assert history[-len(prompt) - 24 - 1:].tolist() == [-1] + prompt + list(want)

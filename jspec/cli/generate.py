@@ -43,6 +43,8 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
+    g.add_argument("--ngram-history", type=int, default=0, metavar="TOKENS",
+                   help="--spec ngram: also look up in the last TOKENS tokens of finished requests (default 0: off)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -121,6 +123,8 @@ def cmd_generate(args) -> int:
         if not spec.enabled:
             raise jspec.ConfigError("--dynamic-k needs --spec")
         spec = dataclasses.replace(spec, dynamic_k=True)
+    if args.ngram_history:
+        spec = dataclasses.replace(spec, ngram_history=args.ngram_history)  # checked by SpecConfig
     params = []
     for i, it in enumerate(items):
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}

@@ -256,6 +256,14 @@ class LLMEngine:
         unfinished."""
         return not self.scheduler.has_work() and self.allocator.reset_prefix_cache()
 
+    def reset_lookup_history(self) -> None:
+        """Forget the finished requests' text that n-gram lookup searches (``ngram_history``);
+        benchmarks call it between runs of the same prompts."""
+        if getattr(self.drafter, "history", 0):
+            self.runner.drafter_params = self.drafter.init_params()
+            if self.mesh is not None:
+                self.runner.drafter_params = parallel.put_tree(self.runner.drafter_params, self.mesh)
+
     def pop_finished(self) -> None:
         """Forget finished requests (a long-running server calls this to bound memory)."""
         for rid in [rid for rid, r in self.requests.items() if r.status is Status.FINISHED]:
@@ -350,7 +358,7 @@ class LLMEngine:
 
     def _collect(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
         now = t1
-        outputs = []
+        outputs, texts = [], []
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
                 self.scheduler.prefilled(c.request, c.length)
@@ -377,7 +385,10 @@ class LLMEngine:
                 if r.status is Status.FINISHED:
                     r.metrics.finished_time = now
                     self.stats.finished(r)
+                    texts.append(r.prompt_ids + r.output_ids)
                 outputs.append(r.to_output())
+        if texts and getattr(self.drafter, "history", 0):
+            self.runner.drafter_params = self.drafter.remember(self.runner.drafter_params, texts)
         self._observe_cost(plan, snap, t0, t1, bucket)
         return outputs
 

@@ -29,7 +29,8 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
     """(drafter, drafter_params) for ``spec`` and the loaded ``target`` model."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
-        return NgramDrafter(k, spec.ngram_max, spec.ngram_min), None
+        drafter = NgramDrafter(k, spec.ngram_max, spec.ngram_min, spec.ngram_history)
+        return drafter, drafter.init_params()
     if spec.method == "layerskip":
         n = target.config.num_layers
         if not 1 <= spec.layerskip_layers < n:

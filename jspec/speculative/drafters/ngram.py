@@ -6,38 +6,77 @@ continuation ``tokens[i+n : i+n+k]`` is proposed, cut at the end of the committe
 proposal has ``num_drafts <= k`` real tokens, 0 without any match (the step then runs a plain
 one-token forward instead of a verification). Deterministic, so q is one-hot. Runs on the device:
 matching is a fixed-shape comparison over the token buffer.
+
+**Lookup history** (``history`` > 0; ``SpecConfig.ngram_history``): the text of recently finished
+requests, the last ``history`` tokens of it, is searched too, as vLLM's suffix decoding searches
+earlier responses: a model's outputs repeat across requests (the same idioms, the same
+boilerplate) far more than its prompts do. For each n, a match in the request's own text wins;
+else a match of n >= ``HISTORY_MIN_MATCH`` tokens in the history, whose continuation is cut at
+the end of the request it came from. The history is a parameter of the drafter (int32
+[history], requests separated by -1, which no token equals), not state: the engine replaces it
+between bursts when requests finish (:meth:`NgramDrafter.remember`), without recompiling. Drafts
+only propose, so greedy output stays the target's; what the history changes is how many steps
+it takes (and, sampled, which random draws a request's tokens come from).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.speculative.drafters.base import Proposal, StatelessDrafter
 from jspec.speculative.state import DecodeState
 
+HISTORY_MIN_MATCH = 2  # a one-token match in another request's text proposed too much that failed
+SEPARATOR = -1  # between requests in the history, and its empty filling
 
-def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int):
-    """(drafts int32 [k], num_drafts int32 []) for one sequence: tokens int32 [N], seq_len int32 []."""
-    size = tokens.shape[0]
-    pos = jnp.arange(size)
-    best_start = jnp.int32(-1)
-    found = jnp.bool_(False)
+
+def _latest(buf: jax.Array, suffix: jax.Array, limit, followed: bool = False) -> jax.Array:
+    """The latest i with ``buf[i:i+n] == suffix`` and ``i + n < limit`` (a continuation token
+    follows inside the limit; with ``followed``, one that is not a separator), or -1."""
+    n = suffix.shape[0]
+    pos = jnp.arange(buf.shape[0])
+    match = pos + n < limit
+    if followed:
+        match &= jnp.roll(buf, -n) != SEPARATOR
+    for j in range(n):
+        match &= jnp.roll(buf, -j) == suffix[j]  # buf[i + j] == suffix[j] (no wrap: i + n < limit <= len)
+    return jnp.max(jnp.where(match, pos, -1))
+
+
+def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int,
+                  history: Optional[jax.Array] = None):
+    """(drafts int32 [k], num_drafts int32 []) for one sequence: tokens int32 [N], seq_len int32 [];
+    ``history`` int32 [H] (see the module docstring) or None."""
+    start, found = jnp.int32(-1), jnp.bool_(False)  # own text
+    hstart, hfound = jnp.int32(-1), jnp.bool_(False)  # history, taken only where the own text had no match
     for n in range(n_max, n_min - 1, -1):  # longest n first
         suffix = jax.lax.dynamic_slice(tokens, (jnp.maximum(seq_len - n, 0),), (n,))
-        match = jnp.ones((size,), bool)
-        for j in range(n):
-            match &= jnp.roll(tokens, -j) == suffix[j]  # tokens[i + j] == suffix[j]
-        match &= (pos + n < seq_len) & (seq_len >= n + 1)  # an earlier occurrence, not the suffix
-        latest = jnp.max(jnp.where(match, pos, -1))
-        take = ~found & (latest >= 0)
-        best_start = jnp.where(take, latest + n, best_start)
-        found |= latest >= 0
-    idx = jnp.minimum(jnp.where(found, best_start, seq_len - 1) + jnp.arange(k), seq_len - 1)
-    num = jnp.where(found, jnp.minimum(k, seq_len - best_start), 0)  # committed tokens only
-    return tokens[idx], num.astype(jnp.int32)
+        latest = jnp.where(seq_len >= n + 1, _latest(tokens, suffix, seq_len), -1)  # not the suffix itself
+        take = ~found & ~hfound & (latest >= 0)
+        start = jnp.where(take, latest + n, start)
+        found |= take
+        if history is not None and n >= HISTORY_MIN_MATCH:
+            hl = jnp.where(seq_len >= n, _latest(history, suffix, history.shape[0], followed=True), -1)
+            htake = ~found & ~hfound & (hl >= 0)
+            hstart = jnp.where(htake, hl + n, hstart)
+            hfound |= htake
+    steps = jnp.arange(k)
+    idx = jnp.minimum(jnp.where(found, start, seq_len - 1) + steps, seq_len - 1)
+    drafts = tokens[idx]
+    num = jnp.where(found, jnp.minimum(k, seq_len - start), 0)  # committed tokens only
+    if history is not None:
+        h = history.shape[0]
+        hidx = jnp.minimum(jnp.maximum(hstart, 0) + steps, h - 1)
+        real = (jnp.maximum(hstart, 0) + steps < h) & (history[hidx] != SEPARATOR)
+        hnum = jnp.sum(jnp.cumprod(real.astype(jnp.int32)))  # up to the end of that request's text
+        drafts = jnp.where(hfound, history[hidx], drafts)
+        num = jnp.where(hfound, hnum, num)
+    return drafts, num.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +84,24 @@ class NgramDrafter(StatelessDrafter):
     k: int
     n_max: int = 4
     n_min: int = 1
+    history: int = 0  # tokens of finished requests' text searched too (0: none; params {"history": int32 [H]})
+
+    def init_params(self):
+        """The drafter's parameters: None, or an empty history."""
+        return None if not self.history else {"history": jnp.full((self.history,), SEPARATOR, jnp.int32)}
+
+    def remember(self, drafter_params, texts: Sequence[Sequence[int]]):
+        """The parameters with ``texts`` (finished requests' token ids, oldest first) appended to
+        the history, its oldest tokens dropped; on the host, one transfer."""
+        if not self.history or not texts:
+            return drafter_params
+        old = np.asarray(drafter_params["history"])
+        new = np.concatenate([old] + [np.asarray([SEPARATOR, *t], np.int32) for t in texts])[-self.history:]
+        was = drafter_params["history"]  # placed as before: a committed array (or not) recompiles every step
+        return {**drafter_params, "history": jax.device_put(new, was.sharding if was.committed else None)}
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
-        drafts, num = jax.vmap(lambda t, s: ngram_propose(t, s, self.k, self.n_max, self.n_min))(
+        history = drafter_params["history"] if self.history else None
+        drafts, num = jax.vmap(lambda t, s: ngram_propose(t, s, self.k, self.n_max, self.n_min, history))(
             state.tokens, state.seq_lens)
         return Proposal(drafts.astype(jnp.int32), None, state.drafter, state.cache, num)
