@@ -52,8 +52,9 @@ HISTORY_TOKENS = 8192  # ``+history``: the lookup history's size
 def spec_of(method: str) -> SpecConfig:
     """``ar``, ``ngram:K``, ``eagle:K``, ``hybrid:K``, ``draft:K``, ``dynamic:K`` (n-gram, k chosen
     per burst up to K); the n-gram ones take the shortest match as a third part
-    (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default) and ``+history``
-    (``ngram:4+history``: ``ngram_history`` of HISTORY_TOKENS; emptied before every run)."""
+    (``ngram:4:2`` = ``prompt_lookup_min`` 2; without it SpecConfig's default) and, with the
+    hybrid, ``+history`` (``ngram:4+history``: ``ngram_history`` of HISTORY_TOKENS; emptied
+    before every run)."""
     base, plus, extra = method.split("@")[0].partition("+")
     if plus and extra != "history":
         raise SystemExit(f"unknown part +{extra} in method {method!r} (only +history)")
@@ -61,8 +62,8 @@ def spec_of(method: str) -> SpecConfig:
     k = int(rest[0]) if rest and rest[0] else 4
     if len(rest) > (2 if name in ("ngram", "dynamic") else 1):
         raise SystemExit(f"too many parts in method {method!r}")
-    if plus and name not in ("ngram", "dynamic"):
-        raise SystemExit(f"+history applies to ngram and dynamic, not {method!r}")
+    if plus and name not in ("ngram", "dynamic", "hybrid"):
+        raise SystemExit(f"+history applies to ngram, dynamic and hybrid, not {method!r}")
     lookup = {"ngram_min": int(rest[1])} if len(rest) > 1 else {}
     if plus:
         lookup["ngram_history"] = HISTORY_TOKENS
@@ -71,7 +72,8 @@ def spec_of(method: str) -> SpecConfig:
     if name == "ngram":
         return SpecConfig("ngram", k, **lookup)
     if name in ("eagle", "hybrid"):  # the shipped EAGLE-3 head; hybrid: n-gram lookup, else that head
-        return SpecConfig(name, k, draft=str(ROOT / "checkpoints" / "smollm2-135m-eagle3"))
+        history = {"ngram_history": lookup["ngram_history"]} if name == "hybrid" and plus else {}
+        return SpecConfig(name, k, draft=str(ROOT / "checkpoints" / "smollm2-135m-eagle3"), **history)
     if name == "draft":
         return SpecConfig("draft", k, draft=str(ROOT / "checkpoints" / "smollm2-135m-draft"))
     if name == "dynamic":

@@ -4,7 +4,12 @@ output token, measured by the client over HTTP (server-sent events).
 
     python benchmarks/bench_server.py [--requests 16] [--max-tokens 64] [--rates 0.25,0.5,1]
                                       [--methods off,ngram:4,dynamic:4] [--max-seconds 240]
-                                      [--max-num-seqs 8] [--max-model-len 1024]
+                                      [--max-num-seqs 8] [--max-model-len 1024] [--distinct-prompts]
+
+A method ``ngram:K+history`` / ``dynamic:K+history`` serves with an n-gram lookup history
+(``"ngram_history"``: the lookup also searches finished requests' text); run those with
+``--distinct-prompts`` (each rate its own slice of HumanEval), or a later rate is served from
+an earlier rate's answers to the same prompts.
 
 For each method the script starts its own ``jspec serve`` on 127.0.0.1 (a free port; nothing
 but localhost is ever contacted), waits for ``/health``, warms it up with one request, then for
@@ -45,13 +50,19 @@ MODEL = "smollm2-135m"
 METHODS = {"off": None, "ngram": {"method": "ngram"}, "dynamic": {"method": "ngram", "dynamic_k": True}}
 
 
+HISTORY_TOKENS = 8192  # ``+history``: the n-gram lookup history's size (SpecConfig.ngram_history)
+
+
 def spec_json(method: str):
-    name, _, k = method.partition(":")
-    if name not in METHODS:
-        raise SystemExit(f"unknown method {method!r} (one of {', '.join(METHODS)}, with :K)")
+    base, plus, extra = method.partition("+")
+    name, _, k = base.partition(":")
+    if name not in METHODS or (plus and (extra != "history" or METHODS[name] is None)):
+        raise SystemExit(f"unknown method {method!r} (one of {', '.join(METHODS)}, with :K; ngram and "
+                         "dynamic also with +history)")
     if METHODS[name] is None:
         return None
-    return json.dumps(dict(METHODS[name], num_speculative_tokens=int(k or 4)))
+    history = {"ngram_history": HISTORY_TOKENS} if plus else {}
+    return json.dumps(dict(METHODS[name], num_speculative_tokens=int(k or 4), **history))
 
 
 def start_server(method: str, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -174,17 +185,26 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--distinct-prompts", action="store_true",
+                    help="each rate its own prompts (HumanEval r*N..r*N+N-1 for the r-th rate), so that a server "
+                         "with a lookup history (+history) never serves a prompt twice")
     args = ap.parse_args()
     if not 1 <= args.requests <= 1000 or not 1 <= args.max_tokens <= 1024:
         raise SystemExit("--requests must be in [1, 1000] and --max-tokens in [1, 1024]")
     rates = sorted(float(r) for r in args.rates.split(","))
     methods = args.methods.split(",")
-    prompts = common.humaneval_prompts(0, args.requests)
+    count = args.requests * (len(rates) if args.distinct_prompts else 1)
+    if count + 1 > 164:
+        raise SystemExit(f"--distinct-prompts needs {count + 1} HumanEval prompts, the package has 164")
+    every = common.humaneval_prompts(0, count + 1)  # the last one warms the server up
+    prompts_of = {rate: every[i * args.requests:(i + 1) * args.requests] if args.distinct_prompts
+                  else every[:args.requests] for i, rate in enumerate(rates)}
     os.environ.setdefault("JSPEC_CACHE_DIR", str(ROOT / ".bench-cache"))
 
     print(f"machine: {common.machine()}, git {common.git_rev()}")
     print(f"{MODEL}, jspec serve --max-num-seqs {args.max_num_seqs} --max-model-len {args.max_model_len}; "
-          f"{args.requests} streaming requests per rate (HumanEval 0..{args.requests - 1}), greedy, "
+          f"{args.requests} streaming requests per rate (HumanEval 0..{count - 1}"
+          f"{', a slice per rate' if args.distinct_prompts else ''}), greedy, "
           f"up to {args.max_tokens} new tokens, EOS respected; Poisson arrivals, seed {args.seed}", flush=True)
     rows = []
     for method in methods:
@@ -193,9 +213,9 @@ def main() -> None:
         proc, url = start_server(method, args, log)
         try:
             print(f"[{method}] ready in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
-            asyncio.run(warm_up(url, prompts[0]))
+            asyncio.run(warm_up(url, every[-1] if args.distinct_prompts else every[0]))
             for rate in rates:
-                row = dict(method=method, **asyncio.run(run_rate(url, prompts, rate, args)))
+                row = dict(method=method, **asyncio.run(run_rate(url, prompts_of[rate], rate, args)))
                 rows.append(row)
                 print(f"[{method}] {row}", file=sys.stderr, flush=True)
         finally:

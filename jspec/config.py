@@ -255,7 +255,7 @@ class SpecConfig:
     # verification costs little more than a decode step: BENCHMARKS.md, "the shortest match"),
     # 2 for hybrid (a one-token match falls to the head there)
     ngram_min: Optional[int] = None
-    # ngram: also search the last this many tokens of finished requests' text (0: off; see
+    # ngram, hybrid: also search the last this many tokens of finished requests' text (0: off; see
     # jspec.speculative.drafters.ngram, "lookup history")
     ngram_history: int = 0
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
@@ -272,8 +272,8 @@ class SpecConfig:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.draft is not None and not isinstance(self.draft, str):
             raise ConfigError(f"draft must be a name or path (str), got {self.draft!r}")
-        if self.ngram_history and self.method != "ngram":
-            raise ConfigError(f"ngram_history applies to spec method 'ngram', not {self.method!r}")
+        if self.ngram_history and self.method not in ("ngram", "hybrid"):
+            raise ConfigError(f"ngram_history applies to spec methods 'ngram' and 'hybrid', not {self.method!r}")
         if self.ngram_history > MAX_NGRAM_HISTORY:
             raise ConfigError(f"ngram_history must be <= {MAX_NGRAM_HISTORY} tokens, got {self.ngram_history}")
         if self.method == "none":
@@ -303,7 +303,7 @@ class SpecConfig:
         layerskip, draft_model, eagle; and jspec's hybrid: n-gram lookup, else the EAGLE head
         ``model``), ``num_speculative_tokens``, ``model`` (draft path or shipped name),
         ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram and hybrid), ``layers``
-        (layer-skip), ``dynamic_k``; and jspec's ``ngram_history`` (n-gram)."""
+        (layer-skip), ``dynamic_k``; and jspec's ``ngram_history`` (n-gram, hybrid)."""
         if d is None:
             return cls()
         if isinstance(d, SpecConfig):

@@ -57,7 +57,7 @@ def test_plain_prompts_file_and_text_output(model_dir, tmp_path):
     ([], "PROMPT arguments or --prompts-file"),
     (["--prompts-file", "/nonexistent/p.txt"], "cannot read prompts file"),
     (["x", "--dynamic-k"], "--dynamic-k needs --spec"),
-    (["x", "--ngram-history", "64"], "ngram_history applies to spec method 'ngram'"),
+    (["x", "--ngram-history", "64"], "ngram_history applies to spec methods 'ngram' and 'hybrid'"),
     (["x", "--spec", "ngram", "--ngram-history", "-5"], "ngram_history must be a non-negative integer"),
 ])
 def test_bad_generate_options_exit_2(model_dir, args, fragment):

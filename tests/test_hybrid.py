@@ -215,3 +215,31 @@ def test_a_step_where_every_row_matches_skips_the_chain_and_observe_cannot_tell(
         for pa, pb in ((a.k_pages[0], b.k_pages[0]), (a.v_pages[0], b.v_pages[0])):
             np.testing.assert_allclose(np.asarray(pa)[:, slots[0], slots[1]], np.asarray(pb)[:, slots[0], slots[1]],
                                        rtol=0, atol=0)
+
+
+def test_hybrid_with_lookup_history_is_lossless_and_drafts_from_finished_requests(target, head_params):
+    """``ngram_history`` on the hybrid: the lookup's history rides in the head's parameters; the
+    same prompt again is drafted from the first run's text (more accepted), greedy output stays
+    the plain one, and forgetting the history leaves the head's parameters as they were."""
+    from jspec.config import EngineConfig
+    from jspec.engine.engine import LLMEngine
+
+    prompt = [5, 9, 3, 11, 2, 4, 8, 1]
+    sp = jspec.SamplingParams(max_tokens=24, ignore_eos=True)
+    want = jspec.generate(target, [prompt], sp).token_ids[0]
+    drafter = HybridDrafter(3, EagleDrafter(3, target.config), n_max=3, n_min=2, history=64)
+    params = {**head_params, **drafter.lookup.init_params()}
+    engine = LLMEngine(target, EngineConfig(max_num_seqs=1, max_num_batched_tokens=36, max_model_len=64, page_size=8),
+                       drafter=drafter, drafter_params=params)
+    runs = []
+    for i in range(2):
+        r = engine.add_request(str(i), prompt, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert r.output_ids == want
+        runs.append(r.metrics)
+    assert runs[1].num_accepted_tokens > runs[0].num_accepted_tokens, runs
+    assert np.asarray(engine.runner.drafter_params["history"])[-len(prompt) - 24:].tolist() == prompt + list(want)
+    engine.reset_lookup_history()
+    assert (np.asarray(engine.runner.drafter_params["history"]) == -1).all()
+    assert set(engine.runner.drafter_params) == set(params)  # the head's parameters kept

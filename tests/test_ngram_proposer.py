@@ -195,8 +195,9 @@ def test_spec_config_ngram_history():
 
     d = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "ngram_history": 4096})
     assert d == SpecConfig("ngram", 3, ngram_history=4096)
-    with pytest.raises(ConfigError, match="applies to spec method 'ngram'"):
-        SpecConfig("hybrid", 4, draft="x", ngram_history=64)
+    assert SpecConfig("hybrid", 4, draft="x", ngram_history=64).ngram_history == 64
+    with pytest.raises(ConfigError, match="applies to spec methods 'ngram' and 'hybrid'"):
+        SpecConfig("layerskip", 4, layerskip_layers=2, ngram_history=64)
     with pytest.raises(ConfigError, match="ngram_history must be"):
         SpecConfig("ngram", 4, ngram_history=1 << 21)
     with pytest.raises(ConfigError, match="non-negative"):

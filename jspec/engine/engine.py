@@ -260,9 +260,7 @@ class LLMEngine:
         """Forget the finished requests' text that n-gram lookup searches (``ngram_history``);
         benchmarks call it between runs of the same prompts."""
         if getattr(self.drafter, "history", 0):
-            self.runner.drafter_params = self.drafter.init_params()
-            if self.mesh is not None:
-                self.runner.drafter_params = parallel.put_tree(self.runner.drafter_params, self.mesh)
+            self.runner.drafter_params = self.drafter.forget(self.runner.drafter_params)
 
     def pop_finished(self) -> None:
         """Forget finished requests (a long-running server calls this to bound memory)."""

@@ -16,7 +16,9 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   drafts were verified: ``propose`` builds the head entry of the pending last token from true
   inputs, and ``observe`` rebuilds every later committed entry from the committed tokens and
   the verification pass's true features of them, never from the proposal (entries the chain
-  built on predicted features are overwritten or rolled back). The n-gram half is stateless: it reads the token buffer.
+  built on predicted features are overwritten or rolled back). The n-gram half is stateless: it
+reads the token buffer (and, with ``history``, the lookup history that rides in the head's
+parameters under "history").
 
 Cost: a step in which every running row has a match pays the lookup and one head forward (the
 entry ``observe`` needs); a step with any row without one pays the head's whole chain (k head
@@ -50,6 +52,7 @@ class HybridDrafter:
     head: EagleDrafter  # proposes where lookup finds nothing; owns the state
     n_max: int = 3  # n-gram lookup: longest suffix tried first ...
     n_min: int = 2  # ... down to this length
+    history: int = 0  # the lookup's history (ngram.py); its "history" rides in the head's params dict
 
     def __post_init__(self):
         if self.head.k != self.k:
@@ -69,7 +72,13 @@ class HybridDrafter:
 
     @property
     def lookup(self) -> NgramDrafter:
-        return NgramDrafter(self.k, self.n_max, self.n_min)
+        return NgramDrafter(self.k, self.n_max, self.n_min, self.history)
+
+    def remember(self, drafter_params: dict, texts) -> dict:
+        return self.lookup.remember(drafter_params, texts)
+
+    def forget(self, drafter_params: dict) -> dict:
+        return self.lookup.forget(drafter_params)
 
     def init_state(self, target_params, drafter_params, cache) -> EagleState:
         return self.head.init_state(target_params, drafter_params, cache)
@@ -87,7 +96,7 @@ class HybridDrafter:
         return self.head.catch_up(drafter_params, target_params, prev_state, state, hidden)
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
-        found = self.lookup.propose(None, target_params, state, sampling)  # drafts [B, k], num [B]
+        found = self.lookup.propose(drafter_params, target_params, state, sampling)  # drafts [B, k], num [B]
         use = found.num_drafts > 0  # [B]: the context has a match
         lookup_q = one_hot_logits(found.drafts, self.config.vocab_size)  # [B, k, V]
 
@@ -109,4 +118,7 @@ class HybridDrafter:
 def make_hybrid_drafter(spec, target, attention: str = "reference"):
     """(HybridDrafter, the head's params) from an EAGLE checkpoint and the spec's n-gram settings."""
     head, params = make_eagle_drafter(spec, target, attention)
-    return HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min), params
+    drafter = HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min, spec.ngram_history)
+    if spec.ngram_history:
+        params = {**params, **drafter.lookup.init_params()}
+    return drafter, params

@@ -79,6 +79,13 @@ def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_m
     return drafts, num.astype(jnp.int32)
 
 
+def _placed_like(drafter_params: dict, history: np.ndarray) -> dict:
+    """``drafter_params`` with a new "history", placed as the old one was: a committed array
+    where there was an uncommitted one (or the reverse) would recompile every step."""
+    was = drafter_params["history"]
+    return {**drafter_params, "history": jax.device_put(history, was.sharding if was.committed else None)}
+
+
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter(StatelessDrafter):
     k: int
@@ -90,15 +97,21 @@ class NgramDrafter(StatelessDrafter):
         """The drafter's parameters: None, or an empty history."""
         return None if not self.history else {"history": jnp.full((self.history,), SEPARATOR, jnp.int32)}
 
-    def remember(self, drafter_params, texts: Sequence[Sequence[int]]):
-        """The parameters with ``texts`` (finished requests' token ids, oldest first) appended to
-        the history, its oldest tokens dropped; on the host, one transfer."""
+    def remember(self, drafter_params: dict, texts: Sequence[Sequence[int]]) -> dict:
+        """``drafter_params`` (a dict with "history", other keys kept) with ``texts`` (finished
+        requests' token ids, oldest first) appended to the history, its oldest tokens dropped; on
+        the host, one transfer."""
         if not self.history or not texts:
             return drafter_params
         old = np.asarray(drafter_params["history"])
         new = np.concatenate([old] + [np.asarray([SEPARATOR, *t], np.int32) for t in texts])[-self.history:]
-        was = drafter_params["history"]  # placed as before: a committed array (or not) recompiles every step
-        return {**drafter_params, "history": jax.device_put(new, was.sharding if was.committed else None)}
+        return _placed_like(drafter_params, new)
+
+    def forget(self, drafter_params: dict) -> dict:
+        """``drafter_params`` with an empty history."""
+        if not self.history:
+            return drafter_params
+        return _placed_like(drafter_params, np.full((self.history,), SEPARATOR, np.int32))
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         history = drafter_params["history"] if self.history else None
