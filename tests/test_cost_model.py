@@ -91,3 +91,26 @@ def test_step_times_are_smoothed_per_step_not_per_burst():
     once.observe(4, steps=8, seconds=8 * 0.025)
     once.observe(4, steps=1, seconds=0.040)
     assert once.step_seconds[4] < 0.0257
+
+
+def test_positions_never_run_are_not_counted_as_rejected():
+    """A request that ran at k = 2 (draft 1 accepted on 60% of its drafted steps, draft 2 on
+    40%) says nothing about drafts 3 and 4: counted against all drafted steps they read as
+    always rejected and k = 2 won on batch-1 step times (where fixed k = 4 ran 1.08x faster);
+    over the steps that could have proposed them, the last ratio carries on and k = 4 wins."""
+    times = {0: 0.0239, 1: 0.0234, 2: 0.0231, 4: 0.0269}  # bench_engine, batch 1, 2026-12-03
+    cost = CostModel((0, 1, 2, 4))
+    for k, t in times.items():
+        cost.observe(k, steps=10, seconds=10 * t)
+    drafted, per_pos = 150, [90, 60, 0, 0]
+    row = (4, 150, 250, drafted, 200, per_pos)
+    assert cost.choose([row]) == 2  # without the denominators
+    eligible = [150, 150, 0, 0]
+    assert cost.choose([row + (eligible,)]) == 4
+    e4 = cost.expected_tokens(4, *row[1:], eligible)
+    p1 = (90 + 8 * 0.5) / 158
+    p2 = (60 + 8 * p1 * p1) / 158
+    ratio = p2 / p1
+    assert e4 == pytest.approx(1 + (158 / 208) * (p1 + p2 + p2 * ratio + p2 * ratio ** 2))
+    # where position 3 did run and was always rejected, k = 4 loses again
+    assert cost.choose([(4, 150, 400, drafted, 200, per_pos, [150, 150, 150, 150])]) == 2

@@ -106,6 +106,8 @@ def test_every_request_equals_its_solo_run(target, drafters, name):
         assert all(r.metrics.num_accepted_tokens == r.metrics.num_draft_tokens > 0 for r in reqs.values())
     if name == "ngram-3":  # repeated motifs: the n-gram drafter does propose and gets some right
         assert sum(r.metrics.num_accepted_tokens for r in reqs.values()) > 0
+        # at a fixed k every drafted step could have proposed each of the 3 drafts
+        assert all(r.eligible_per_pos == [r.metrics.num_drafts] * 3 for r in reqs.values())
 
 
 @pytest.mark.parametrize("name", ["ngram-3", "draft-3", "eagle-3"])
@@ -290,6 +292,8 @@ def test_per_request_speculation_off_or_lower(target, drafters):
     assert reqs[0].metrics.num_drafts == 0 and reqs[0].metrics.num_draft_tokens == 0
     assert reqs[1].metrics.num_draft_tokens == reqs[1].metrics.num_drafts > 0  # one draft per step
     assert reqs[2].metrics.num_draft_tokens > reqs[2].metrics.num_drafts
+    n1, n2 = reqs[1].metrics.num_drafts, reqs[2].metrics.num_drafts  # draft positions each could fill
+    assert reqs[1].eligible_per_pos == [n1, 0, 0, 0] and reqs[2].eligible_per_pos == [n2] * 4
 
 
 def test_dynamic_k_is_lossless_and_measures_each_k(target):

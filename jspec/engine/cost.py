@@ -11,12 +11,17 @@ running acceptance:
 
 with r_b the share of its steps that had a proposal at all (n-gram lookup finds none on some)
 and P_bj the share of those steps in which draft j was accepted (vLLM's
-``num_accepted_tokens_per_pos[j-1]`` over ``num_drafts``), each pulled towards a prior a^j. This
+``num_accepted_tokens_per_pos[j-1]``) among the steps that could have proposed draft j (those
+that ran at a k >= j: ``Request.eligible_per_pos``), each pulled towards the previous
+position's estimate times the ratio P_b(j-1) / P_b(j-2) (a0 for the first). A position the
+request has not run at is that ratio carried on: a request run at k = 2 is not taken to reject
+every third draft (counting the steps that could not propose draft 3 as failures kept dynamic
+k at k = 2 where fixed k = 4 ran 1.08x faster; BENCHMARKS.md, 2026-12-03, thirteenth session).
+Without those denominators, ``num_drafts`` is every position's, each P pulled towards a^j. This
 counts what proposals really yield: an n-gram match often proposes fewer than k drafts, so a
 per-token acceptance a_b = accepted / proposed with E = 1 + r_b (a_b + ... + a_b^k) (the model
 used when the per-position counts are not given) over-rates large k, and did (BENCHMARKS.md:
-dynamic k at batch 16 kept k = 4 at 0.69x AR). Positions beyond the k a request has run at
-stay near the prior's low a^j, so the estimate errs towards smaller k. The burst
+dynamic k at batch 16 kept k = 4 at 0.69x AR). The burst
 runs at the k with the most expected tokens per second, sum_b E_b(min(k, cap_b)) / t(k); k = 0
 (no speculation) is a candidate, so speculation turns itself off when it stops paying.
 Candidates never measured are tried once first. A measured candidate is timed again after
@@ -63,12 +68,22 @@ class CostModel:
         self._since[k] = 0
 
     def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int,
-                        accepted_per_pos: Optional[Sequence[int]] = None) -> float:
+                        accepted_per_pos: Optional[Sequence[int]] = None,
+                        eligible_per_pos: Optional[Sequence[int]] = None) -> float:
         """E(k) for one request from its counters (see the module docstring)."""
         if k == 0:
             return 1.0
         w, a0 = self.prior_weight, self.prior_acceptance
         r = (drafted_steps + w) / (steps + w)
+        if accepted_per_pos is not None and eligible_per_pos is not None:
+            total, p_prev, ratio = 0.0, 1.0, a0
+            for j in range(k):
+                acc = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
+                seen = eligible_per_pos[j] if j < len(eligible_per_pos) else 0
+                p = min((acc + w * p_prev * ratio) / (seen + w), p_prev)  # prior: the last ratio goes on
+                ratio, p_prev = (p / p_prev if p_prev > 0 else 0.0), p
+                total += p
+            return 1.0 + r * total
         if accepted_per_pos is not None:
             per_pos = list(accepted_per_pos) + [0] * max(0, k - len(accepted_per_pos))
             return 1.0 + r * sum(min((per_pos[j - 1] + w * a0 ** j) / (drafted_steps + w), 1.0)
@@ -79,7 +94,7 @@ class CostModel:
 
     def choose(self, requests: list[tuple]) -> int:
         """``requests``: per running request (cap, accepted, proposed, drafted steps, steps) and
-        optionally its accepted-per-position counts."""
+        optionally its accepted-per-position counts and their eligible steps."""
         if not requests:
             return self.chosen
         for k in self.candidates:

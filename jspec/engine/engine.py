@@ -284,7 +284,7 @@ class LLMEngine:
             m = r.metrics
             cap = self._cap(r)
             rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps,
-                         m.num_accepted_tokens_per_pos))
+                         m.num_accepted_tokens_per_pos, r.eligible_per_pos))
         if rows:
             self._cost_bucket = self._bucket(len(rows))
         return self.cost.choose(rows)
@@ -357,6 +357,7 @@ class LLMEngine:
     def _collect(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
         now = t1
         outputs, texts = [], []
+        caps = self._spec_caps(plan.k)  # the k each slot's steps ran at in this burst
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
                 self.scheduler.prefilled(c.request, c.length)
@@ -365,7 +366,9 @@ class LLMEngine:
                 continue
             before = len(r.all_ids)
             new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
+            drafts_before = r.metrics.num_drafts
             self._update_counters(r, snap, slot)
+            self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
             if new:
                 if r.metrics.first_token_time is None:
                     r.metrics.first_token_time = now
@@ -406,6 +409,13 @@ class LLMEngine:
         m.num_accepted_tokens_per_pos = [base.num_accepted_tokens_per_pos[j] + int(snap.accepted[slot, j])
                                          for j in range(k)]
         m.num_draft_tokens_per_pos = [base.num_draft_tokens_per_pos[j] + int(snap.proposed[slot, j]) for j in range(k)]
+
+    def _count_eligible(self, r: Request, drafted: int, k: int) -> None:
+        """``drafted`` steps with a proposal ran at ``k``: each could have proposed drafts 1..k."""
+        if len(r.eligible_per_pos) < self.k_max:
+            r.eligible_per_pos.extend([0] * (self.k_max - len(r.eligible_per_pos)))
+        for j in range(min(k, self.k_max)):
+            r.eligible_per_pos[j] += max(drafted, 0)
 
     def _detokenize(self, r: Request, new_from: int) -> bool:
         """Update ``r.text``; on a stop string, cut text (and token ids after the token that

@@ -106,6 +106,9 @@ class Request:
     registered: int = 0  # full pages of this request registered in the prefix cache
     emitted: int = 0  # output tokens already handed to the caller (streaming)
     base: Optional[RequestMetrics] = None  # counters at the last admission (device counters start at 0)
+    # per draft position j, the drafted steps that ran at a k > j (could have proposed draft j):
+    # the denominator of position j's acceptance in dynamic k's estimate (jspec.engine.cost)
+    eligible_per_pos: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
