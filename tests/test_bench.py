@@ -74,6 +74,7 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
 @pytest.mark.parametrize("text,fragment", [
     ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
     ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
+    ("eagle:x:3+history", "only ngram and hybrid"),
 ])
 def test_bad_methods_are_refused(text, fragment):
     with pytest.raises(jspec.ConfigError, match=fragment):
@@ -135,3 +136,16 @@ def test_transformers_peers_rows(model):
     assert rows["jspec ar"]["speedup_vs_transformers_greedy"] > 0
     assert rows["jspec ar"]["speedup_vs_transformers_prompt_lookup"] > 0
     assert rows[bench.GREEDY]["tokens"] > 0 and rows[bench.GREEDY]["mean_ttft_ms"] is not None
+
+
+def test_a_history_method_runs_the_prompts_through_one_engine(model):
+    """``ngram:K+history``: one engine for all prompts, in order, so a prompt run again is
+    drafted from its first run's text; the warm-up's text is forgotten; tokens equal AR's."""
+    methods = bench.parse_methods("ngram:3,ngram:3+history")
+    assert methods[2].name == "jspec ngram k=3 +history" and methods[2].spec.ngram_history == bench.HISTORY_TOKENS
+    prompts = [PROMPTS[0], PROMPTS[0]]
+    report = bench.run_bench(model, prompts, methods, max_tokens=16, progress=False, warmup_tokens=4)
+    report.check()
+    ar, plain, history = report.results
+    assert history.same_as_ar == plain.same_as_ar == 2
+    assert history.sequence_steps < plain.sequence_steps  # the repeat was drafted from the first run

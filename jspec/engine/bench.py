@@ -7,7 +7,9 @@ each method is also run once on the first prompt before the timed runs).
 
 Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the reference),
 ``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``,
-``hybrid:NAME_OR_PATH:K``. Peers (:mod:`jspec.engine.peers`, with ``--peers transformers``):
+``hybrid:NAME_OR_PATH:K``; ``ngram:K+history`` and ``hybrid:NAME:K+history`` with a lookup
+history (``SpecConfig.ngram_history``): those run the prompts in order through one engine, so
+each prompt's lookup searches the earlier prompts' text (the warm-up's is forgotten). Peers (:mod:`jspec.engine.peers`, with ``--peers transformers``):
 Hugging Face transformers' greedy and prompt lookup on the same weights, and its assisted
 generation with a draft.
 
@@ -30,11 +32,12 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from jspec.config import CHECKPOINT_METHODS, SamplingParams, SpecConfig
-from jspec.engine.engine import encode_prompt
-from jspec.engine.generate import generate
+from jspec.engine.engine import LLMEngine, encode_prompt
+from jspec.engine.generate import engine_config, generate, run_requests
 from jspec.errors import ConfigError, JspecError
 
 DEFAULT_K = 4
+HISTORY_TOKENS = 8192  # ``+history``: the lookup history (SpecConfig.ngram_history) of such a method
 GREEDY, PROMPT_LOOKUP = "transformers greedy", "transformers prompt lookup"  # the peers' rows (jspec.engine.peers)
 
 
@@ -84,9 +87,15 @@ def parse_method(text: str) -> Method:
 
     if kind == "ar" and not rest:
         return Method("jspec ar", SpecConfig())
+    plus = rest.endswith("+history")
+    rest = rest[:-len("+history")] if plus else rest
+    if plus and kind not in ("ngram", "hybrid"):
+        raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
+    history = {"ngram_history": HISTORY_TOKENS} if plus else {}
+    tag = " +history" if plus else ""
     if kind == "ngram":
         k = k_of(rest)
-        return Method(f"jspec ngram k={k}", SpecConfig("ngram", k))
+        return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **history))
     if kind == "layerskip":
         layers, _, ks = rest.partition(":")
         if not layers.isdigit():
@@ -100,9 +109,10 @@ def parse_method(text: str) -> Method:
         if not name:
             raise ConfigError(f"method {text!r}: {kind}:NAME[:K] needs a checkpoint name or path")
         k = k_of(ks)
-        return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}", SpecConfig(kind, k, draft=name))
+        return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}{tag}",
+                      SpecConfig(kind, k, draft=name, **history))
     raise ConfigError(f"unknown method {text!r} "
-                      "(ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K)")
+                      "(ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K[+history])")
 
 
 def parse_methods(text: str) -> list[Method]:
@@ -123,6 +133,23 @@ def run_jspec(model, spec: SpecConfig, ids: list[int], max_tokens: int, attentio
     sp = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
     r = generate(model, [ids], sp, spec=spec, attention=attention)
     return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
+
+
+class HistoryRunner:
+    """A method with a lookup history runs every prompt through one engine (batch 1, in order),
+    so that each prompt's lookup also searches the earlier prompts' text; the others get a
+    fresh engine per prompt (:func:`run_jspec`)."""
+
+    def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str,
+                 sampling: Optional[SamplingParams]):
+        self.sampling = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
+        config = engine_config(model, ids, self.sampling, spec.num_speculative_tokens, attention=attention,
+                               max_num_seqs=1)
+        self.engine = LLMEngine(model, config, spec)
+
+    def __call__(self, ids: list[int], max_tokens: int) -> Run:
+        r = run_requests(self.engine, [ids], dataclasses.replace(self.sampling, max_tokens=max_tokens))
+        return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
 
 
 @dataclasses.dataclass
@@ -340,6 +367,8 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     def runner(m: Method) -> Callable[[list[int], int], Run]:
         if m.run is not None:
             return m.run
+        if m.spec.ngram_history:
+            return HistoryRunner(model, m.spec, ids, max_tokens, attention, sampling)
         return lambda x, n: run_jspec(model, m.spec, x, n, attention, sampling)
 
     runners = [runner(m) for m in methods]
@@ -356,6 +385,8 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
         if bar is not None:
             bar.set_postfix_str(f"warm-up {m.name}")
         run(ids[0], warmup_tokens)
+        if isinstance(run, HistoryRunner):
+            run.engine.reset_lookup_history()  # the timed runs start from nothing learned
         if bar is not None:
             bar.update()
     mismatches = []

@@ -92,8 +92,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
     prompts = normalize_prompts(prompts)
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     b = len(ids)
-    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
-    if len(seeds) != b:
+    if seeds is not None and len(seeds) != b:
         raise ConfigError(f"got {len(seeds)} seeds for {b} prompts")
     context = model.config.max_position_embeddings
     for i, p in enumerate(ids):
@@ -101,16 +100,40 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
             raise PromptError(f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} that exceeds "
                               f"the model's context of {context} tokens")
     k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
+    config = engine_config(model, ids, sampling, k, cache_config, attention, tensor_parallel_size,
+                           stream_interval if on_tokens is not None else None)
+    engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
+    return run_requests(engine, ids, sampling, seeds, on_tokens)
+
+
+def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: int,
+                  cache_config: CacheConfig = CacheConfig(), attention: str = "auto", tensor_parallel_size: int = 1,
+                  stream_interval: Optional[int] = None, max_num_seqs: Optional[int] = None) -> EngineConfig:
+    """The engine :func:`generate` builds for ``ids`` (one slot per prompt unless
+    ``max_num_seqs``): shapes rounded up to ``SHAPE_QUANTUM`` tokens, pages for every slot at full
+    length, bursts to the end of the budget (or of ``stream_interval`` steps)."""
+    b = max_num_seqs or len(ids)
+    context = model.config.max_position_embeddings
     max_model_len = min(_round_up(max(len(p) for p in ids) + sampling.max_tokens, SHAPE_QUANTUM), context)
     chunk = 1 << (max(cache_config.prefill_chunk, 16).bit_length() - 1)
     prefill_budget = max(chunk, min(16 * b, 4096))  # a big batch prefills many prompts per step
     ps = cache_config.page_size
-    config = EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
-                          kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
-                          max_burst_steps=stream_interval if on_tokens is not None else sampling.max_tokens + 1,
-                          attention=attention, shuffle_pages=cache_config.shuffle_pages,
-                          seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size)
-    engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
+    return EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
+                        kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
+                        max_burst_steps=stream_interval if stream_interval is not None else sampling.max_tokens + 1,
+                        attention=attention, shuffle_pages=cache_config.shuffle_pages,
+                        seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size)
+
+
+def run_requests(engine: LLMEngine, ids: Sequence[list[int]], sampling: SamplingParams,
+                 seeds: Optional[Sequence[int]] = None,
+                 on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> GenerationResult:
+    """Run ``ids`` through ``engine`` (idle, its finished requests forgotten: ids "0", "1", ...
+    are reused) to the end; one :class:`GenerationResult`. The engine keeps what it learned
+    (prefix cache, lookup history, cost model)."""
+    b = len(ids)
+    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
+    k = engine.k_max
     reqs = [engine.add_request(str(i), p, dataclasses.replace(sampling, seed=seeds[i])) for i, p in enumerate(ids)]
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
     emitted = [0] * b
@@ -125,7 +148,9 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
                 emitted = [len(r.output_ids) for r in reqs]
                 on_tokens(new)
     total, compile_s = watch.elapsed(), watch.compile_s()
-    return _result(engine, reqs, first_token_s if first_token_s is not None else total, total, compile_s, k)
+    result = _result(engine, reqs, first_token_s if first_token_s is not None else total, total, compile_s, k)
+    engine.pop_finished()
+    return result
 
 
 def _result(engine: LLMEngine, reqs, ttft: float, total: float, compile_s: float, k: int) -> GenerationResult:
