@@ -40,13 +40,13 @@ import common
 
 import jspec
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.engine.bench import HISTORY_TOKENS  # ``+history``: the lookup history's size
 from jspec.engine.engine import LLMEngine
 from jspec.timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-HISTORY_TOKENS = 8192  # ``+history``: the lookup history's size
 
 
 def spec_of(method: str) -> SpecConfig:

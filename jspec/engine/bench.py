@@ -9,9 +9,9 @@ Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the refer
 ``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``,
 ``hybrid:NAME_OR_PATH:K``; ``ngram:K+history`` and ``hybrid:NAME:K+history`` with a lookup
 history (``SpecConfig.ngram_history``): those run the prompts in order through one engine, so
-each prompt's lookup searches the earlier prompts' text (the warm-up's is forgotten). Peers (:mod:`jspec.engine.peers`, with ``--peers transformers``):
-Hugging Face transformers' greedy and prompt lookup on the same weights, and its assisted
-generation with a draft.
+each prompt's lookup searches the earlier prompts' text (the warm-up's is forgotten). Peers
+(:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
+and prompt lookup on the same weights, and its assisted generation with a draft.
 
 Greedy speculative decoding is lossless, so every jspec method's tokens must equal jspec AR's
 token for token; each difference is recorded as a :class:`Mismatch` (prompt and position) and
@@ -131,7 +131,11 @@ def parse_methods(text: str) -> list[Method]:
 def run_jspec(model, spec: SpecConfig, ids: list[int], max_tokens: int, attention: str = "auto",
               sampling: Optional[SamplingParams] = None) -> Run:
     sp = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
-    r = generate(model, [ids], sp, spec=spec, attention=attention)
+    return _run_of(generate(model, [ids], sp, spec=spec, attention=attention))
+
+
+def _run_of(r) -> Run:
+    """The :class:`Run` of a one-prompt :class:`~jspec.engine.generate.GenerationResult`."""
     return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
 
 
@@ -148,8 +152,7 @@ class HistoryRunner:
         self.engine = LLMEngine(model, config, spec)
 
     def __call__(self, ids: list[int], max_tokens: int) -> Run:
-        r = run_requests(self.engine, [ids], dataclasses.replace(self.sampling, max_tokens=max_tokens))
-        return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
+        return _run_of(run_requests(self.engine, [ids], dataclasses.replace(self.sampling, max_tokens=max_tokens)))
 
 
 @dataclasses.dataclass

@@ -304,13 +304,14 @@ class LLMEngine:
         slots = self._burst_slots() if plan.prefill is None else None
         t0 = time.perf_counter()
         step = self._steps[self._prefill_k if plan.prefill is not None else plan.k]
-        snap = self.runner.burst(step, self.scheduler.tables(), self._spec_caps(plan.k), self._segment(plan),
+        caps = self._spec_caps(plan.k)
+        snap = self.runner.burst(step, self.scheduler.tables(), caps, self._segment(plan),
                                  plan.num_steps, plan.stop_on_finish, slots)
         t1 = time.perf_counter()
         bucket = len(self.scheduler.slots) if slots is None else len(slots)
         self.stats.bursts += 1
         self.stats.bursts_by_slots[bucket] += 1
-        return self._collect(plan, snap, t0, t1, bucket)
+        return self._collect(plan, snap, caps, t0, t1, bucket)
 
     def _burst_slots(self) -> np.ndarray:
         """The slots a decode burst runs on: the running ones, padded with idle slots (their
@@ -354,10 +355,10 @@ class LLMEngine:
             q_lens[i], rows[i] = c.length, c.request.slot
         return Segment(tokens, q_lens, rows)
 
-    def _collect(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
+    def _collect(self, plan: Plan, snap, caps: np.ndarray, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
+        """``caps``: the k each slot's steps ran at in this burst."""
         now = t1
         outputs, texts = [], []
-        caps = self._spec_caps(plan.k)  # the k each slot's steps ran at in this burst
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
                 self.scheduler.prefilled(c.request, c.length)

@@ -17,8 +17,8 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   inputs, and ``observe`` rebuilds every later committed entry from the committed tokens and
   the verification pass's true features of them, never from the proposal (entries the chain
   built on predicted features are overwritten or rolled back). The n-gram half is stateless: it
-reads the token buffer (and, with ``history``, the lookup history that rides in the head's
-parameters under "history").
+  reads the token buffer (and, with ``history``, the lookup history that rides in the head's
+  parameters under "history").
 
 Cost: a step in which every running row has a match pays the lookup and one head forward (the
 entry ``observe`` needs); a step with any row without one pays the head's whole chain (k head
