@@ -11,10 +11,12 @@ engine at each ``max_num_seqs`` with each method, and transformers' batched ``ge
 batches of the same size, left padding, greedy). Every method is greedy, so each engine run must
 produce the same tokens as jspec AR at batch 1 (a mismatch is reported per method). Throughput is
 generated tokens over wall time (compilation excluded: each configuration is warmed up first).
-With ``--rounds R`` (default 1) every method's engine at a batch size is built and warmed up
-first, then the prompts run R times through each, the methods interleaved (round r starts at the
-r-th method, so drift on a shared machine falls on all of them) and the prefix cache emptied
-before each run (``reset_prefix_cache``); a method's throughput is the median over its rounds.
+With ``--rounds R`` (default 1) the prompts run R times with each method, the methods
+interleaved (round r starts at the r-th method, so drift on a shared machine falls on all of
+them); a method's throughput is the median over its rounds. Every run gets a fresh engine (built,
+warmed up and calibrated, then released): one engine alive at a time, because five engines of 16
+slots held past Linux's vm.max_map_count and LLVM died. XLA's persistent compilation cache makes
+the rebuilds cheap; every run starts with an empty prefix cache and lookup history.
 A method written ``METHOD@rows`` (``ar@rows``, ``ngram:4@rows``) runs with the engine's small-row
 weight copy (``EngineConfig(small_row_weights=True)``), ``METHOD@norows`` without it (``False``),
 for a side-by-side comparison; a method without a suffix runs on the engine's default (the copy
@@ -39,6 +41,7 @@ import numpy as np
 import common
 
 import jspec
+from jspec.cli import enable_compile_cache
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.bench import HISTORY_TOKENS  # ``+history``: the lookup history's size
 from jspec.engine.engine import LLMEngine
@@ -189,6 +192,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    enable_compile_cache()  # every run builds its engine afresh: compile once, load after
     model = jspec.load_model()
     prompts = common.humaneval_prompts(0, args.prompts)
     ids = [model.tokenizer(p)["input_ids"] for p in prompts]
@@ -201,34 +205,31 @@ def main():
     results = {"offline": [], "online": []}
     reference = None
     for b in sizes:
-        # one engine alive at a time (a long sweep's memory maps), unless rounds interleave them
-        for group in ([[m] for m in methods] if args.rounds == 1 else [methods]):
-            engines = {m: engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m)) for m in group}
-            runs = {m: [] for m in group}
-            for r in range(args.rounds):
-                for m in group[r % len(group):] + group[:r % len(group)]:
-                    engines[m].reset_prefix_cache()
-                    engines[m].reset_lookup_history()  # each run starts from what its prompts give
-                    runs[m].append(offline(engines[m], ids, sp))
-            for m, done in runs.items():
-                engine = engines[m]
-                if reference is None:
-                    reference = done[0][0]
-                same = min(sum(a == r for a, r in zip(out, reference)) for out, _, _ in done)
-                tokens = sum(map(len, done[0][0]))
-                seconds = float(np.median([sec for _, sec, _ in done]))
-                row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
-                       "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **done[-1][2]}
-                if len(done) > 1:
-                    row["tok/s by round"] = [round(sum(map(len, out)) / sec, 1) for out, sec, _ in done]
+        runs = {m: [] for m in methods}
+        info = {}
+        for r in range(args.rounds):
+            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+                engine = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
+                runs[m].append(offline(engine, ids, sp))
                 if m.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
                     most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
-                    row["k chosen"] = engine.costs[most].chosen
-                    row["step ms by k"] = {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v}
-                    row["bursts by slot bucket"] = engine.stats.bursts_by_slots
-                results["offline"].append(row)
-                print(json.dumps(row), flush=True)
+                    info[m] = {"k chosen": engine.costs[most].chosen,
+                               "step ms by k": {k: round(1e3 * v, 1) for k, v in engine.costs[most].step_seconds.items() if v},
+                               "bursts by slot bucket": engine.stats.bursts_by_slots}
                 release(engine)
+        for m, done in runs.items():
+            if reference is None:
+                reference = done[0][0]
+            same = min(sum(a == r for a, r in zip(out, reference)) for out, _, _ in done)
+            tokens = sum(map(len, done[0][0]))
+            seconds = float(np.median([sec for _, sec, _ in done]))
+            row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
+                   "tok/s": round(tokens / seconds, 1), "same as AR": f"{same}/{len(ids)}", **done[-1][2]}
+            if len(done) > 1:
+                row["tok/s by round"] = [round(sum(map(len, out)) / sec, 1) for out, sec, _ in done]
+            row.update(info.get(m, {}))
+            results["offline"].append(row)
+            print(json.dumps(row), flush=True)
         if not args.no_hf:
             hf = results.setdefault("_hf", common.load_hf_peer())
             common.hf_generate(hf, ids[0], 4)  # warm-up
