@@ -211,6 +211,8 @@ def main():
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
                 engine = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
                 runs[m].append(offline(engine, ids, sp))
+                out, sec, _ = runs[m][-1]
+                print(f"  batch {b}, {m}, round {r + 1}: {sum(map(len, out)) / sec:.1f} tok/s", flush=True)
                 if m.startswith("dynamic"):  # the cost model of the slot bucket that ran the most bursts
                     most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
                     info[m] = {"k chosen": engine.costs[most].chosen,
