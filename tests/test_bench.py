@@ -149,3 +149,20 @@ def test_a_history_method_runs_the_prompts_through_one_engine(model):
     ar, plain, history = report.results
     assert history.same_as_ar == plain.same_as_ar == 2
     assert history.sequence_steps < plain.sequence_steps  # the repeat was drafted from the first run
+
+
+def test_a_history_method_does_not_reuse_cached_prompt_pages(model):
+    """Only the lookup history may carry over between a ``+history`` method's prompts: its engine's
+    prefix cache is emptied before each one, or a repeated prompt's prefill would be skipped and
+    counted as the history's speed."""
+    from jspec.config import SamplingParams
+    from jspec.engine.generate import run_requests
+
+    spec = bench.parse_methods("ngram:3+history")[1].spec
+    ids = model.tokenizer(" ".join(["hello world"] * 40))["input_ids"]
+    runner = bench.HistoryRunner(model, spec, [ids], max_tokens=4, attention="auto", sampling=None)
+    runner(ids, 4)
+    runner(ids, 4)
+    assert runner.engine.stats.cached_prompt_tokens == 0
+    run_requests(runner.engine, [ids], SamplingParams(max_tokens=4))  # without the reset: a hit
+    assert runner.engine.stats.cached_prompt_tokens > 0

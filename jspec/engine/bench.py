@@ -142,7 +142,10 @@ def _run_of(r) -> Run:
 class HistoryRunner:
     """A method with a lookup history runs every prompt through one engine (batch 1, in order),
     so that each prompt's lookup also searches the earlier prompts' text; the others get a
-    fresh engine per prompt (:func:`run_jspec`)."""
+    fresh engine per prompt (:func:`run_jspec`). The prefix cache is emptied before each prompt:
+    only the history may differ from a fresh engine (kept, shared prompt pages cut the prose
+    prompts' TTFT from ~250 to ~120 ms, and that counted as the history's speed; BENCHMARKS.md,
+    2026-12-03, fourteenth session)."""
 
     def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str,
                  sampling: Optional[SamplingParams]):
@@ -152,6 +155,7 @@ class HistoryRunner:
         self.engine = LLMEngine(model, config, spec)
 
     def __call__(self, ids: list[int], max_tokens: int) -> Run:
+        self.engine.reset_prefix_cache()
         return _run_of(run_requests(self.engine, [ids], dataclasses.replace(self.sampling, max_tokens=max_tokens)))
 
 
