@@ -16,7 +16,9 @@ interleaved (round r starts at the r-th method, so drift on a shared machine fal
 them); a method's throughput is the median over its rounds. Every run gets a fresh engine (built,
 warmed up and calibrated, then released): one engine alive at a time, because five engines of 16
 slots held past Linux's vm.max_map_count and LLVM died. XLA's persistent compilation cache makes
-the rebuilds cheap; every run starts with an empty prefix cache and lookup history.
+the rebuilds cheaper (an AR engine at batch 1: 33 s, then 16.5 s), but warm-ups still take most
+of a long run's time; every run starts with an empty prefix cache and lookup history, and a
+dynamic-k row's cost-model columns are its last round's.
 A method written ``METHOD@rows`` (``ar@rows``, ``ngram:4@rows``) runs with the engine's small-row
 weight copy (``EngineConfig(small_row_weights=True)``), ``METHOD@norows`` without it (``False``),
 for a side-by-side comparison; a method without a suffix runs on the engine's default (the copy
