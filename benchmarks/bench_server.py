@@ -51,8 +51,6 @@ METHODS = {"off": None, "ngram": {"method": "ngram"}, "dynamic": {"method": "ngr
 HISTORY_TOKENS = 8192  # ``+history``: as jspec.engine.bench's (not imported: this client loads no jax)
 
 
-
-
 def spec_json(method: str):
     base, plus, extra = method.partition("+")
     name, _, k = base.partition(":")

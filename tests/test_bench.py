@@ -7,6 +7,7 @@ import pytest
 
 import jspec
 from jspec.engine import bench
+from jspec.engine.generate import run_requests
 from test_bad_input import _cli
 
 PROMPTS = ["def add(a, b):", "hello world hello world hello"]
@@ -155,14 +156,11 @@ def test_a_history_method_does_not_reuse_cached_prompt_pages(model):
     """Only the lookup history may carry over between a ``+history`` method's prompts: its engine's
     prefix cache is emptied before each one, or a repeated prompt's prefill would be skipped and
     counted as the history's speed."""
-    from jspec.config import SamplingParams
-    from jspec.engine.generate import run_requests
-
     spec = bench.parse_methods("ngram:3+history")[1].spec
     ids = model.tokenizer(" ".join(["hello world"] * 40))["input_ids"]
     runner = bench.HistoryRunner(model, spec, [ids], max_tokens=4, attention="auto", sampling=None)
     runner(ids, 4)
     runner(ids, 4)
     assert runner.engine.stats.cached_prompt_tokens == 0
-    run_requests(runner.engine, [ids], SamplingParams(max_tokens=4))  # without the reset: a hit
+    run_requests(runner.engine, [ids], jspec.SamplingParams(max_tokens=4))  # without the reset: a hit
     assert runner.engine.stats.cached_prompt_tokens > 0
