@@ -13,12 +13,13 @@ produce the same tokens as jspec AR at batch 1 (a mismatch is reported per metho
 generated tokens over wall time (compilation excluded: each configuration is warmed up first).
 With ``--rounds R`` (default 1) the prompts run R times with each method, the methods
 interleaved (round r starts at the r-th method, so drift on a shared machine falls on all of
-them); a method's throughput is the median over its rounds. Every run gets a fresh engine (built,
-warmed up and calibrated, then released): one engine alive at a time, because five engines of 16
-slots held past Linux's vm.max_map_count and LLVM died. XLA's persistent compilation cache makes
-the rebuilds cheaper (an AR engine at batch 1: 33 s, then 16.5 s), but warm-ups still take most
-of a long run's time; every run starts with an empty prefix cache and lookup history, and a
-dynamic-k row's cost-model columns are its last round's.
+them; transformers takes its turn among them); a method's throughput is the median over its
+rounds. Every run gets a fresh engine (built, warmed up and calibrated, then released): one engine
+alive at a time, because five engines of 16 slots held past Linux's vm.max_map_count and LLVM
+died. XLA's persistent compilation cache makes the rebuilds cheaper (an AR engine at batch 1:
+33 s, then 16.5 s), but warm-ups still take most of a long run's time; every run starts with an
+empty prefix cache and lookup history, and a dynamic-k row's cost-model columns are its last
+round's.
 A method written ``METHOD@rows`` (``ar@rows``, ``ngram:4@rows``) runs with the engine's small-row
 weight copy (``EngineConfig(small_row_weights=True)``), ``METHOD@norows`` without it (``False``),
 for a side-by-side comparison; a method without a suffix runs on the engine's default (the copy
@@ -50,8 +51,7 @@ from jspec.engine.engine import LLMEngine
 from jspec.timing import Stopwatch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
+HF = "transformers static batch"
 
 
 def spec_of(method: str) -> SpecConfig:
@@ -206,11 +206,20 @@ def main():
 
     results = {"offline": [], "online": []}
     reference = None
+    hf = None if args.no_hf else common.load_hf_peer()
+    if hf is not None:
+        common.hf_generate(hf, ids[0], 4)  # warm-up
+    rotation = methods + ([HF] if hf is not None else [])  # transformers takes its turn in the rounds
     for b in sizes:
-        runs = {m: [] for m in methods}
+        runs = {m: [] for m in rotation}
         info = {}
         for r in range(args.rounds):
-            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+            for m in rotation[r % len(rotation):] + rotation[:r % len(rotation)]:
+                if m == HF:
+                    tokens, seconds = hf_static(hf, model.tokenizer, ids, b, args.max_tokens)
+                    runs[m].append((tokens, seconds))
+                    print(f"  batch {b}, {m}, round {r + 1}: {tokens / seconds:.1f} tok/s", flush=True)
+                    continue
                 engine = engine_for(model, spec_of(m), b, max_model_len, small_rows_of(m))
                 runs[m].append(offline(engine, ids, sp))
                 out, sec, _ = runs[m][-1]
@@ -222,6 +231,16 @@ def main():
                                "bursts by slot bucket": engine.stats.bursts_by_slots}
                 release(engine)
         for m, done in runs.items():
+            if m == HF:
+                tokens = done[0][0]
+                seconds = float(np.median([sec for _, sec in done]))
+                row = {"batch": b, "method": m, "tokens": tokens, "seconds": round(seconds, 2),
+                       "tok/s": round(tokens / seconds, 1)}
+                if len(done) > 1:
+                    row["tok/s by round"] = [round(t / sec, 1) for t, sec in done]
+                results["offline"].append(row)
+                print(json.dumps(row), flush=True)
+                continue
             if reference is None:
                 reference = done[0][0]
             same = min(sum(a == r for a, r in zip(out, reference)) for out, _, _ in done)
@@ -234,15 +253,7 @@ def main():
             row.update(info.get(m, {}))
             results["offline"].append(row)
             print(json.dumps(row), flush=True)
-        if not args.no_hf:
-            hf = results.setdefault("_hf", common.load_hf_peer())
-            common.hf_generate(hf, ids[0], 4)  # warm-up
-            tokens, seconds = hf_static(hf, model.tokenizer, ids, b, args.max_tokens)
-            row = {"batch": b, "method": "transformers static batch", "tokens": tokens, "seconds": round(seconds, 2),
-                   "tok/s": round(tokens / seconds, 1)}
-            results["offline"].append(row)
-            print(json.dumps(row), flush=True)
-    results.pop("_hf", None)
+    del hf
 
     for m in filter(None, args.online_methods.split(",")):  # --online-methods "": offline only
         engine = engine_for(model, spec_of(m), 8, max_model_len, small_rows_of(m))
@@ -258,7 +269,7 @@ def main():
     rows = []
     for b in sizes:
         base = next(r for r in results["offline"] if r["batch"] == b and r["method"] == methods[0])
-        hf_row = next((r for r in results["offline"] if r["batch"] == b and r["method"].startswith("transformers")), None)
+        hf_row = next((r for r in results["offline"] if r["batch"] == b and r["method"] == HF), None)
         for r in results["offline"]:
             if r["batch"] != b:
                 continue
@@ -287,7 +298,7 @@ def plot(results, sizes, methods, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = methods + ["transformers static batch"]
+    names = methods + [HF]
     for m in names:
         ys = [next((r["tok/s"] for r in results["offline"] if r["batch"] == b and r["method"] == m), None) for b in sizes]
         if any(y is not None for y in ys):
