@@ -250,7 +250,9 @@ class SpecConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
-    ngram_max: int = 3  # n-gram prompt lookup (ngram, hybrid): longest suffix tried first ...
+    # n-gram prompt lookup (ngram, hybrid): longest suffix tried first (8: a longer match predicts
+    # more; 3 -> 8 added 0.02-0.05 to the hybrid's accepted length, BENCHMARKS.md, "a replay") ...
+    ngram_max: int = 8
     # ... down to this length; None: 1 for ngram (a one-token match is worth verifying where a
     # verification costs little more than a decode step: BENCHMARKS.md, "the shortest match"),
     # 2 for hybrid (a one-token match falls to the head there)

@@ -2,11 +2,15 @@
 where the proposal is cut, and what must never match (the suffix itself, the padding).
 
 Mutations each was seen to fail on (applied to jspec/speculative/drafters/ngram.py, reverted):
-  N1  drop ``(pos + n < seq_len)`` from the match (the suffix matches itself, padding matches);
+  N1  drop the limit from the match (``run = pos < limit`` in ``_latest_ends``: the suffix
+      matches itself, padding matches);
   N2  try n from n_min up instead of n_max down (shortest n first);
   N3  propose k tokens without cutting at the committed text (``num = k`` when found);
-  N4  take the earliest occurrence instead of the latest (``jnp.min`` over matching positions).
-(Dropping ``(seq_len >= n + 1)`` changes nothing: ``pos + n < seq_len`` already implies it.)
+  N4  take the earliest occurrence instead of the latest (the smallest matching position);
+  N5  forget the earlier comparisons (``run = base & ...`` per n instead of ``run &= ...``: an
+      n-token match is then only its first token's).
+(Dropping ``(seq_len >= n + 1)`` changes nothing: a match ends before ``seq_len`` and so
+cannot have n tokens unless ``seq_len >= n + 1``.)
 """
 
 import jax
@@ -77,7 +81,7 @@ def test_ngram_propose_matches_the_reference_on_random_sequences():
         length = int(rng.integers(1, SIZE + 1))
         tokens = rng.integers(0, int(rng.integers(2, 5)), length).tolist()
         k, n_min = int(rng.integers(1, 5)), int(rng.integers(1, 3))
-        n_max = n_min + int(rng.integers(0, 3))
+        n_max = n_min + int(rng.integers(0, 7))  # up to 8: SpecConfig's default
         buf = np.zeros(SIZE, np.int32)
         buf[:length] = tokens
         drafts, num = fn(jnp.asarray(buf), jnp.int32(length), k, n_max, n_min)

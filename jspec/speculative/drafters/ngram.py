@@ -35,17 +35,25 @@ HISTORY_MIN_MATCH = 2  # matches in the history: 2 tokens or more (2 beat 3 in t
 SEPARATOR = -1  # between requests in the history, and its empty filling
 
 
-def _latest(buf: jax.Array, suffix: jax.Array, limit, followed: bool = False) -> jax.Array:
-    """The latest i with ``buf[i:i+n] == suffix`` and ``i + n < limit`` (a continuation token
-    follows inside the limit; with ``followed``, one that is not a separator), or -1."""
-    n = suffix.shape[0]
+def _latest_ends(buf: jax.Array, tokens: jax.Array, seq_len, n_max: int, limit,
+                 followed: bool = False) -> list[jax.Array]:
+    """For n = 1..n_max (entry n - 1): the latest m with ``buf[m-n:m]`` equal to the last n
+    committed tokens (``tokens[seq_len-n:seq_len]``) and ``m < limit`` (the continuation token
+    ``buf[m]`` lies inside the limit; with ``followed``, it is no separator either), or -1.
+
+    Matches are aligned at their ends, so the n-token match is the (n-1)-token one that also
+    agrees one token further back: one comparison of the buffer per n, n_max in all (aligned at
+    their starts, each n would compare n times)."""
     pos = jnp.arange(buf.shape[0])
-    match = pos + n < limit
+    run = pos < limit
     if followed:
-        match &= jnp.roll(buf, -n) != SEPARATOR
-    for j in range(n):
-        match &= jnp.roll(buf, -j) == suffix[j]  # buf[i + j] == suffix[j] (no wrap: i + n < limit <= len)
-    return jnp.max(jnp.where(match, pos, -1))
+        run &= buf != SEPARATOR
+    ends = []
+    for d in range(1, n_max + 1):
+        back = tokens[jnp.maximum(seq_len - d, 0)]  # the d-th committed token from the end
+        run &= (pos >= d) & (jnp.roll(buf, d) == back)  # buf[m - d] == back (no wrap: m >= d)
+        ends.append(jnp.max(jnp.where(run, pos, -1)))
+    return ends
 
 
 def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_min: int,
@@ -54,16 +62,17 @@ def ngram_propose(tokens: jax.Array, seq_len: jax.Array, k: int, n_max: int, n_m
     ``history`` int32 [H] (see the module docstring) or None."""
     start, found = jnp.int32(-1), jnp.bool_(False)  # own text
     hstart, hfound = jnp.int32(-1), jnp.bool_(False)  # history, taken only where the own text had no match
+    own = _latest_ends(tokens, tokens, seq_len, n_max, seq_len)  # m < seq_len: not the suffix itself
+    hist = None if history is None else _latest_ends(history, tokens, seq_len, n_max, history.shape[0], followed=True)
     for n in range(n_max, n_min - 1, -1):  # longest n first
-        suffix = jax.lax.dynamic_slice(tokens, (jnp.maximum(seq_len - n, 0),), (n,))
-        latest = jnp.where(seq_len >= n + 1, _latest(tokens, suffix, seq_len), -1)  # not the suffix itself
+        latest = jnp.where(seq_len >= n + 1, own[n - 1], -1)
         take = ~found & ~hfound & (latest >= 0)
-        start = jnp.where(take, latest + n, start)
+        start = jnp.where(take, latest, start)
         found |= take
-        if history is not None and n >= HISTORY_MIN_MATCH:
-            hl = jnp.where(seq_len >= n, _latest(history, suffix, history.shape[0], followed=True), -1)
+        if hist is not None and n >= HISTORY_MIN_MATCH:
+            hl = jnp.where(seq_len >= n, hist[n - 1], -1)
             htake = ~found & ~hfound & (hl >= 0)
-            hstart = jnp.where(htake, hl + n, hstart)
+            hstart = jnp.where(htake, hl, hstart)
             hfound |= htake
     steps = jnp.arange(k)
     idx = jnp.minimum(jnp.where(found, start, seq_len - 1) + steps, seq_len - 1)
