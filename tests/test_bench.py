@@ -39,8 +39,10 @@ def test_methods_side_by_side(model, tmp_path):
 
 
 def test_a_method_with_other_tokens_is_a_mismatch(model):
+    plain = bench.EngineRunner(model, jspec.SpecConfig(), [bench.encode_prompt(model.tokenizer, PROMPTS[0], False)], 6)
+
     def broken(ids, n):
-        r = bench.run_jspec(model, jspec.SpecConfig(), ids, n)
+        r = plain(ids, n)
         r.tokens[3] = (r.tokens[3] + 1) % model.config.vocab_size
         return r
 
@@ -62,8 +64,9 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
     ng = report.rows()[1]
     assert 1.0 <= ng["mean_accepted_length"] <= 3.0 and len(ng["acceptance_per_position"]) == 2
     assert "n/a (sampled)" in report.markdown()
-    ar = [bench.run_jspec(model, jspec.SpecConfig(), bench.encode_prompt(model.tokenizer, PROMPTS[0], False), 12,
-                          sampling=jspec.SamplingParams(temperature=5.0, seed=s)).tokens for s in (1, 2)]
+    ids = bench.encode_prompt(model.tokenizer, PROMPTS[0], False)
+    ar = [bench.EngineRunner(model, jspec.SpecConfig(), [ids], 12, sampling=jspec.SamplingParams(temperature=5.0, seed=s))(
+        ids, 12).tokens for s in (1, 2)]
     assert ar[0] != ar[1]  # sampling really happens: two seeds, two continuations
     from jspec.engine.peers import transformers_peers
 
@@ -99,15 +102,15 @@ def test_cli_bench_table_json_and_exit_1_on_mismatch(tiny_hf_llama, tmp_path, mo
     assert "| jspec ngram k=2 |" in out and "| method | tok/s |" in out
     assert [m["method"] for m in json.loads(out_json.read_text())["methods"]] == ["jspec ar", "jspec ngram k=2"]
 
-    real = bench.run_jspec
+    real = bench.EngineRunner.__call__
 
-    def off_by_one(model, spec, ids, n, attention="auto", sampling=None):  # ngram: a wrong second token
-        r = real(model, spec, ids, n, attention, sampling)
-        if spec.enabled and len(r.tokens) > 1:
-            r.tokens[1] = (r.tokens[1] + 1) % model.config.vocab_size
+    def off_by_one(self, ids, n):  # ngram: a wrong second token
+        r = real(self, ids, n)
+        if self.engine.spec.enabled and len(r.tokens) > 1:
+            r.tokens[1] = (r.tokens[1] + 1) % self.engine.model.config.vocab_size
         return r
 
-    monkeypatch.setattr(bench, "run_jspec", off_by_one)
+    monkeypatch.setattr(bench.EngineRunner, "__call__", off_by_one)
     code, out, err = _cli(*args)
     assert code == 1
     assert "| jspec ngram k=2 |" in out  # the table is still printed
@@ -158,9 +161,32 @@ def test_a_history_method_does_not_reuse_cached_prompt_pages(model):
     counted as the history's speed."""
     spec = bench.parse_methods("ngram:3+history")[1].spec
     ids = model.tokenizer(" ".join(["hello world"] * 40))["input_ids"]
-    runner = bench.HistoryRunner(model, spec, [ids], max_tokens=4, attention="auto", sampling=None)
+    runner = bench.EngineRunner(model, spec, [ids], max_tokens=4)
     runner(ids, 4)
     runner(ids, 4)
     assert runner.engine.stats.cached_prompt_tokens == 0
     run_requests(runner.engine, [ids], jspec.SamplingParams(max_tokens=4))  # without the reset: a hit
     assert runner.engine.stats.cached_prompt_tokens > 0
+
+
+def test_one_engine_per_method_whatever_the_prompts(model, monkeypatch):
+    """Every jspec method runs all prompts through one engine sized for the longest: an engine per
+    prompt compiled its programs again per prompt length, kept them all, and a long bench ran
+    the process out of memory maps. Prompts here span three 64-token shape buckets."""
+    built = []
+
+    class Counted(bench.LLMEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(bench, "LLMEngine", Counted)
+    prompts = [PROMPTS[0], " ".join(["hello world"] * 40), " ".join(["add one"] * 70)]
+    lengths = [len(bench.encode_prompt(model.tokenizer, p, False)) for p in prompts]
+    assert len({(n + 6) // 64 for n in lengths}) == 3, lengths
+    report = bench.run_bench(model, prompts, bench.parse_methods("ngram:2"), max_tokens=6, progress=False,
+                             warmup_tokens=2)
+    report.check()
+    assert len(built) == 2 and [e.spec.enabled for e in built] == [False, True]
+    assert all(e.config.max_model_len >= max(lengths) + 6 for e in built)
+    assert all(e.stats.cached_prompt_tokens == 0 for e in built)  # emptied before each prompt

@@ -8,8 +8,9 @@ each method is also run once on the first prompt before the timed runs).
 Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the reference),
 ``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``,
 ``hybrid:NAME_OR_PATH:K``; ``ngram:K+history`` and ``hybrid:NAME:K+history`` with a lookup
-history (``SpecConfig.ngram_history``): those run the prompts in order through one engine, so
-each prompt's lookup searches the earlier prompts' text (the warm-up's is forgotten). Peers
+history (``SpecConfig.ngram_history``): each prompt's lookup also searches the earlier prompts'
+text (the warm-up's is forgotten). Every jspec method runs the prompts in order through one
+engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
 (:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
 and prompt lookup on the same weights, and its assisted generation with a draft.
 
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from jspec.config import CHECKPOINT_METHODS, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
-from jspec.engine.generate import engine_config, generate, run_requests
+from jspec.engine.generate import engine_config, run_requests
 from jspec.errors import ConfigError, JspecError
 
 DEFAULT_K = 4
@@ -128,35 +129,43 @@ def parse_methods(text: str) -> list[Method]:
     return ar + [m for m in methods if not m.is_ar] if ar else [parse_method("ar")] + methods
 
 
-def run_jspec(model, spec: SpecConfig, ids: list[int], max_tokens: int, attention: str = "auto",
-              sampling: Optional[SamplingParams] = None) -> Run:
-    sp = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
-    return _run_of(generate(model, [ids], sp, spec=spec, attention=attention))
-
-
 def _run_of(r) -> Run:
     """The :class:`Run` of a one-prompt :class:`~jspec.engine.generate.GenerationResult`."""
     return Run(r.token_ids[0], r.total_s, r.ttft_s, r.sequence_steps, r.accepted_counts, r.proposed_counts)
 
 
-class HistoryRunner:
-    """A method with a lookup history runs every prompt through one engine (batch 1, in order),
-    so that each prompt's lookup also searches the earlier prompts' text; the others get a
-    fresh engine per prompt (:func:`run_jspec`). The prefix cache is emptied before each prompt:
-    only the history may differ from a fresh engine (kept, shared prompt pages cut the prose
-    prompts' TTFT from ~250 to ~120 ms, and that counted as the history's speed; BENCHMARKS.md,
-    2026-12-03, fourteenth session)."""
+class EngineRunner:
+    """One jspec method: one engine (batch 1, sized for the longest prompt) that runs the prompts
+    one by one. One engine per method, not per prompt: a fresh engine per prompt compiled its
+    programs again for each prompt length, kept them all, and a bench of 7 methods x 32 prompts
+    ran the process past Linux's memory-map limit (LLVM "Cannot allocate memory";
+    BENCHMARKS.md, fifteenth session). Attention and the page reads follow each row's length,
+    not the table's width, so the larger sizing costs a short prompt nothing measurable.
 
-    def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str,
-                 sampling: Optional[SamplingParams]):
+    The prefix cache is emptied before each prompt: only a ``+history`` method's lookup history
+    (``SpecConfig.ngram_history``) carries from one prompt to the next, so that each prompt's
+    lookup also searches the earlier prompts' text (kept, shared prompt pages cut the prose
+    prompts' TTFT from ~250 to ~120 ms, and that counted as the history's speed; BENCHMARKS.md,
+    2026-12-03, fourteenth session). Dynamic k's cost model carries too, as in a server."""
+
+    def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str = "auto",
+                 sampling: Optional[SamplingParams] = None):
         self.sampling = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
         config = engine_config(model, ids, self.sampling, spec.num_speculative_tokens, attention=attention,
                                max_num_seqs=1)
         self.engine = LLMEngine(model, config, spec)
+        self.max_tokens = max_tokens
 
     def __call__(self, ids: list[int], max_tokens: int) -> Run:
+        if max_tokens > self.max_tokens:
+            raise ConfigError(f"this runner was sized for {self.max_tokens} new tokens, not {max_tokens}")
         self.engine.reset_prefix_cache()
         return _run_of(run_requests(self.engine, [ids], dataclasses.replace(self.sampling, max_tokens=max_tokens)))
+
+    def forget(self) -> None:
+        """Forget the lookup history (after the warm-up: the timed runs start from nothing learned)."""
+        if self.engine.spec.ngram_history:
+            self.engine.reset_lookup_history()
 
 
 @dataclasses.dataclass
@@ -374,9 +383,7 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     def runner(m: Method) -> Callable[[list[int], int], Run]:
         if m.run is not None:
             return m.run
-        if m.spec.ngram_history:
-            return HistoryRunner(model, m.spec, ids, max_tokens, attention, sampling)
-        return lambda x, n: run_jspec(model, m.spec, x, n, attention, sampling)
+        return EngineRunner(model, m.spec, ids, max_tokens, attention, sampling)
 
     runners = [runner(m) for m in methods]
     results = [MethodResult(m.name, k=m.spec.num_speculative_tokens if m.spec is not None and m.spec.enabled else 0,
@@ -392,8 +399,8 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
         if bar is not None:
             bar.set_postfix_str(f"warm-up {m.name}")
         run(ids[0], warmup_tokens)
-        if isinstance(run, HistoryRunner):
-            run.engine.reset_lookup_history()  # the timed runs start from nothing learned
+        if isinstance(run, EngineRunner):
+            run.forget()
         if bar is not None:
             bar.update()
     mismatches = []
