@@ -12,7 +12,9 @@ and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (de
 ``~/.cache/jspec/kernels``), keyed by the sources, the compiler, jax and the CPU's flags; the
 library is built in a temporary file and renamed, so a cache never holds half a build. Where
 there is no compiler, the build fails, or ``JSPEC_CPU_KERNELS=0``, :func:`available` is False
-(with one logged warning) and every caller runs its plain-XLA reference instead.
+(with one logged warning) and every caller runs its plain-XLA reference instead. The model and
+"auto" attention use them only where they are faster than XLA, on CPUs with AVX-512
+(:func:`preferred`).
 """
 
 from __future__ import annotations
@@ -93,4 +95,23 @@ def _load() -> bool:
 
 def available() -> bool:
     """Whether the kernels are built and registered with XLA's CPU backend (builds them once)."""
-    return os.environ.get("JSPEC_CPU_KERNELS", "1") != "0" and _load()
+    return os.environ.get("JSPEC_CPU_KERNELS", "auto") != "0" and _load()
+
+
+def tuned_for_this_cpu() -> bool:
+    """Whether this CPU has AVX-512F. The kernels' tiles (5 rows of x against 4-8 weight rows
+    of 16 lanes, accumulators and rows held in registers) are sized for AVX-512's 32 vector
+    registers; on an AVX2 CPU (16 registers of 8 lanes) the same code spills, and there it
+    measured slower than XLA's own product: 30 layers of projections at 5 rows 133 ms against 47,
+    a k = 4 verification step 225 ms against 86, a decode step 42 against 33 (BENCHMARKS.md,
+    2026-12-03, sixteenth session)."""
+    return "avx512f" in _cpu_flags().split()
+
+
+def preferred() -> bool:
+    """Whether jspec's model and attention ("auto") use the kernels: built, and the CPU is one
+    they are tuned for (:func:`tuned_for_this_cpu`). ``JSPEC_CPU_KERNELS=1`` uses them on any
+    CPU, ``0`` on none; unset (or ``auto``) decides by the CPU. A direct call of a kernel's
+    function (or ``attention="cpu"``) runs it wherever it is :func:`available`."""
+    mode = os.environ.get("JSPEC_CPU_KERNELS", "auto")
+    return mode != "0" and available() and (mode == "1" or tuned_for_this_cpu())

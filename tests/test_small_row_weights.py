@@ -20,7 +20,7 @@ from pallas_kernels import small_rows
 from pallas_kernels.small_rows import pack_rows, unpack_rows
 
 
-def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts():
+def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts(kernels_on):
     x = jnp.ones((3, 8))
     ours = Linear(5, use_bias=True).init(jax.random.PRNGKey(0), x)
     dense = nn.Dense(5, use_bias=True).init(jax.random.PRNGKey(0), x)
@@ -32,7 +32,7 @@ def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts():
         x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 8))
         plain = x @ p["kernel"]
         got = Linear(5, use_bias=True).apply(doubled, x) - p["bias"]
-        reads_copy = rows in KERNEL_ROWS and small_rows.available()
+        reads_copy = rows in KERNEL_ROWS
         np.testing.assert_allclose(got, 2 * plain if reads_copy else plain, rtol=1e-5, atol=1e-5)
 
 
@@ -48,6 +48,14 @@ def test_with_small_row_weights_adds_packed_transposes_of_the_layer_projections_
         np.testing.assert_array_equal(unpack_rows(flat[k], kernel.shape[1], kernel.shape[0]), kernel.T)
     n_before = len(jax.tree.leaves(model.params))
     assert len(flat) == n_before + len(weights)
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The kernel's path on any CPU (the model uses it by default only on AVX-512 CPUs)."""
+    if not small_rows.available():
+        pytest.skip("no C++ compiler: the kernel is not built")
+    monkeypatch.setenv("JSPEC_CPU_KERNELS", "1")
 
 
 def _packed(tree) -> list[str]:
@@ -71,7 +79,7 @@ def _greedy(model, spec, copy, prompts, drafter=None, drafter_params=None):
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("ngram", num_speculative_tokens=4)], ids=["ar", "ngram4"])
-def test_engine_output_is_the_same_with_and_without_the_copy(spec):
+def test_engine_output_is_the_same_with_and_without_the_copy(spec, kernels_on):
     model = tiny_model(tiny_config(num_layers=3), scale=4.0)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, model.config.vocab_size, n)) * 2 for n in (5, 9, 13)]
@@ -88,7 +96,7 @@ def test_small_row_weights_must_be_a_bool_on_one_device():
         EngineConfig(small_row_weights=True, tensor_parallel_size=2)
 
 
-def test_an_eagle_head_is_packed_too_and_drafts_the_same():
+def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
     """The engine packs a drafter's projections beside the target's (an EAGLE-3 head's fusion,
     ``fc`` and decoder layer; its draft-vocabulary LM head reads its rows in place): the drafts it
     makes, counted by the tokens accepted, and the output are the same with and without."""

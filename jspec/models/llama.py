@@ -44,7 +44,7 @@ from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
-from pallas_kernels import small_rows
+from pallas_kernels import cpu_kernels, small_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -188,9 +188,9 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def small_rows_apply(dtype) -> bool:
-    """Whether a product in ``dtype`` can run on the CPU small-row kernel (float32, the CPU
-    backend, kernel built; a GPU machine never builds it)."""
-    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and small_rows.available()
+    """Whether a product in ``dtype`` runs on the CPU small-row kernel (float32, the CPU backend,
+    kernel built and tuned for this CPU: ``cpu_kernels.preferred``; a GPU machine never builds it)."""
+    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred()
 
 
 def _few_rows(x, dtype) -> bool:
