@@ -8,11 +8,9 @@ tokens checked against jspec AR's, side by side in one run) over HumanEval probl
 with n-gram at each k of ``--ngram-ks`` and the hybrid (n-gram, else the shipped EAGLE-3 head)
 at k = 4, each at every ``ngram_max`` in ``--lengths`` (the shortest match left at its default: 1
 for n-gram, 2 for the hybrid). ``benchmarks/hybrid_policy.py`` replays the same choice without
-the engine. Each method's programs stay compiled for the whole run, one per prompt length: at 7
-methods x 32 prompts the process passed Linux's vm.max_map_count and LLVM failed ("Cannot
-allocate memory"), and so did 5 methods x 16 prompts with ``--profile`` (its step programs
-compile at the end): the defaults are the smaller run without the profile, not yet seen to
-complete here either.
+the engine. The run of 7 methods x 32 prompts with ``--profile`` used to pass Linux's
+vm.max_map_count (``jspec bench`` built an engine per prompt and kept every one's programs);
+with one engine per method it completes (BENCHMARKS.md, sixteenth session).
 """
 
 from __future__ import annotations
