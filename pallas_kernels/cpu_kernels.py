@@ -48,7 +48,8 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "jspec" / "kernels"
 
 
-def _cpu_flags() -> str:  # -march=native: a build is only good for the CPU it was built on
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> str:  # -march=native: a build is only good for the CPU it was built on; read once
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -113,5 +114,4 @@ def preferred() -> bool:
     they are tuned for (:func:`tuned_for_this_cpu`). ``JSPEC_CPU_KERNELS=1`` uses them on any
     CPU, ``0`` on none; unset (or ``auto``) decides by the CPU. A direct call of a kernel's
     function (or ``attention="cpu"``) runs it wherever it is :func:`available`."""
-    mode = os.environ.get("JSPEC_CPU_KERNELS", "auto")
-    return mode != "0" and available() and (mode == "1" or tuned_for_this_cpu())
+    return available() and (os.environ.get("JSPEC_CPU_KERNELS") == "1" or tuned_for_this_cpu())
