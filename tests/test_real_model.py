@@ -113,13 +113,18 @@ def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
 
 def test_engine_batches_real_requests_losslessly(smollm2):
     """The engine with two slots serving four HumanEval-like prompts that arrive together, with
-    n-gram under dynamic k (warmed up: its calibration's speculative steps verified drafts at
-    every step, the target continuing the prefilled pattern) and the shipped EAGLE head: each
-    output equals the prompt run alone."""
+    n-gram at a fixed k, n-gram under dynamic k (warmed up: its calibration's speculative steps
+    verified drafts at every step, the target continuing the prefilled pattern) and the shipped
+    EAGLE head: each output equals the prompt run alone.
+
+    Dynamic k may rightly pick k = 0 throughout (on an AVX2 host without the CPU kernels a
+    verification step costs more than its accepted tokens save), so only the fixed-k runs must
+    have drafted."""
     sp = jspec.SamplingParams(max_tokens=32)
     prompts = PROMPTS[:2] + ["def is_palindrome(s: str) -> bool:\n", "def add(a, b):"]
     alone = [jspec.generate(smollm2, [p], sp).token_ids[0] for p in prompts]
-    for config in ({"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
+    for config in ({"method": "ngram", "num_speculative_tokens": 4},
+                   {"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
                    {"method": "eagle", "num_speculative_tokens": 3, "model": "smollm2-135m-eagle"}):
         llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512)
         if config.get("dynamic_k"):
@@ -127,5 +132,6 @@ def test_engine_batches_real_requests_losslessly(smollm2):
             drafted = llm.engine.calibration_drafted
             assert sorted(drafted) == [1, 2] and all(drafted[n][k] == (k > 0) for n in drafted for k in drafted[n]), drafted
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == alone, config["method"]
-        assert llm.engine.stats.num_drafts > 0
+        assert [o.outputs[0].token_ids for o in outs] == alone, config
+        if not config.get("dynamic_k"):
+            assert llm.engine.stats.num_drafts > 0, config
