@@ -53,7 +53,7 @@ def resolve(impl: str = "auto", backend: str | None = None) -> str:
                           "use 'xla' or 'reference' on this machine")
     if impl != "auto":
         return impl
-    return "pallas" if on_gpu else ("cpu" if backend == "cpu" and cpu_kernels.preferred() else "xla")
+    return "pallas" if on_gpu else ("cpu" if backend == "cpu" and cpu_kernels.preferred("attention") else "xla")
 
 
 def paged_attention_xla(

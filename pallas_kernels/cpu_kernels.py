@@ -13,8 +13,8 @@ and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (de
 library is built in a temporary file and renamed, so a cache never holds half a build. Where
 there is no compiler, the build fails, or ``JSPEC_CPU_KERNELS=0``, :func:`available` is False
 (with one logged warning) and every caller runs its plain-XLA reference instead. The model and
-"auto" attention use them only where they are faster than XLA, on CPUs with AVX-512
-(:func:`preferred`).
+"auto" attention use them only where they are faster than XLA (:func:`preferred`): the
+small-row product on CPUs with AVX-512 or AVX2 + FMA, the attention kernel on AVX-512 only.
 """
 
 from __future__ import annotations
@@ -99,19 +99,28 @@ def available() -> bool:
     return os.environ.get("JSPEC_CPU_KERNELS", "auto") != "0" and _load()
 
 
-def tuned_for_this_cpu() -> bool:
-    """Whether this CPU has AVX-512F. The kernels' tiles (5 rows of x against 4-8 weight rows
-    of 16 lanes, accumulators and rows held in registers) are sized for AVX-512's 32 vector
-    registers; on an AVX2 CPU (16 registers of 8 lanes) the same code spills, and there it
-    measured slower than XLA's own product: 30 layers of projections at 5 rows 133 ms against 47,
-    a k = 4 verification step 225 ms against 86, a decode step 42 against 33 (BENCHMARKS.md,
-    2026-12-03, sixteenth session)."""
-    return "avx512f" in _cpu_flags().split()
+KERNELS = ("small_rows", "attention")
 
 
-def preferred() -> bool:
-    """Whether jspec's model and attention ("auto") use the kernels: built, and the CPU is one
-    they are tuned for (:func:`tuned_for_this_cpu`). ``JSPEC_CPU_KERNELS=1`` uses them on any
-    CPU, ``0`` on none; unset (or ``auto``) decides by the CPU. A direct call of a kernel's
-    function (or ``attention="cpu"``) runs it wherever it is :func:`available`."""
-    return available() and (os.environ.get("JSPEC_CPU_KERNELS") == "1" or tuned_for_this_cpu())
+def tuned_for_this_cpu(kernel: str) -> bool:
+    """Whether ``kernel`` ("small_rows" or "attention") has code tuned for this CPU's vectors.
+    Both are tuned for AVX-512F (32 registers of 16 floats). The small-row product also has an
+    AVX2 + FMA version (16 registers of 8 floats: tiles of 3 rows of x against 4 weight rows);
+    before it existed the AVX-512 tiles, compiled for AVX2, spilled and ran slower than XLA's own
+    product (30 layers of projections at 5 rows 133 ms against 47, BENCHMARKS.md, 2026-12-03),
+    and with it they run at ~0.5x XLA's time at 5 rows, ~0.85x at 1 (2026-12-04). The attention
+    kernel has no AVX2 version: there it stays with XLA's attention."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return True
+    return kernel == "small_rows" and {"avx2", "fma"} <= flags
+
+
+def preferred(kernel: str) -> bool:
+    """Whether jspec's model ("small_rows") and attention ("auto" -> "attention") use ``kernel``:
+    built, and the CPU is one it is tuned for (:func:`tuned_for_this_cpu`). ``JSPEC_CPU_KERNELS=1``
+    uses them on any CPU, ``0`` on none; unset (or ``auto``) decides by the CPU. A direct call
+    of a kernel's function (or ``attention="cpu"``) runs it wherever it is :func:`available`."""
+    return available() and (os.environ.get("JSPEC_CPU_KERNELS") == "1" or tuned_for_this_cpu(kernel))

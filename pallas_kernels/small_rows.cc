@@ -18,8 +18,10 @@
 // counter.
 //
 // Built at first use by pallas_kernels/small_rows.py with the machine's C++ compiler and
-// -march=native (the 16-lane vectors become AVX-512 where the CPU has it, two AVX2 registers
-// elsewhere). Python reference: pallas_kernels.small_rows.small_rows_matmul_reference.
+// -march=native: the 16-lane vectors become AVX-512 where the CPU has it; on a CPU with AVX2 and
+// FMA but not AVX-512 the tiles are written in AVX2 intrinsics (3 rows of x per tile instead of 5,
+// see the second `tile`), and elsewhere the 16-lane vectors are whatever the compiler makes of them.
+// Python reference: pallas_kernels.small_rows.small_rows_matmul_reference.
 
 #include <algorithm>
 #include <cstddef>
@@ -27,6 +29,10 @@
 #include <cstring>
 
 #include "cpu_common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,8 +46,13 @@ using jspec_cpu::v16;
 namespace {
 
 constexpr int kPackRows = 4;         // weight rows interleaved by the packed layout
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
 constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4 accumulators)
+#else  // AVX2: 16 registers of 8 floats (see the second tile below)
+constexpr int kMaxRowsPlain = 8;     // 8 accumulators, one weight half, one row of x
+constexpr int kMaxRowsPacked = 3;    // 3 x 4 accumulators, 4 weight halves, one row of x
+#endif
 constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
 // Each step asks for the weight's cache lines 8 KB ahead into L2 (prefetcht1): with several rows
 // of x the FMAs keep the core busy long enough that the hardware prefetcher alone falls behind
@@ -55,6 +66,7 @@ constexpr int64_t kPrefetchFloats = 8192 / sizeof(float);
 //   packed [N / 4, K / 16, 4, 16]:     wt = w + n K, step = 4 * 16, jstride = 16
 // y[m .. m + R, n .. n + C] for R rows of x. Each output is summed in the same order (16 lanes
 // along k, then the lanes) whatever R is, so a row's result does not depend on its neighbours.
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 template <int R, int C>
 void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
           int64_t step, int64_t jstride) {
@@ -85,6 +97,51 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
     }
   }
 }
+
+#else
+// AVX2 + FMA (16 vector registers of 8 floats): the same tiles in intrinsics, each 16-float
+// vector of a weight row read as two halves that add into one 8-lane accumulator per output
+// (the v16 code above, on these CPUs, kept its accumulators in memory: GCC spilled the 2 x 20
+// halves and split every load). R <= 3 rows of x against C <= 4 weight rows: 12 accumulators,
+// 4 weight halves and one row of x in registers. Summed in the same order whatever R is.
+template <int R, int C>
+void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
+          int64_t step, int64_t jstride) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  const float* wk = wt;
+  const float* xm = x + m * K;
+  for (; k + kLanes <= K; k += kLanes, wk += step) {
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchFloats + j * jstride), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int h = 0; h < kLanes; h += 8) {
+      __m256 wv[C];
+#pragma GCC unroll 4
+      for (int j = 0; j < C; ++j) wv[j] = _mm256_loadu_ps(wk + j * jstride + h);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_loadu_ps(xm + i * K + k + h);
+#pragma GCC unroll 4
+        for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < C; ++j) {
+      __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+      float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+      for (int64_t t = k; t < K; ++t) s += x[(m + i) * K + t] * wt[j * K + t];
+      y[(m + i) * N + n + j] = s;
+    }
+  }
+}
+#endif
 
 // Every row of x against one tile of C weight rows, MAXR rows of x at a time.
 template <int C, int MAXR>

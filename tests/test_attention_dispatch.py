@@ -9,7 +9,7 @@ from pallas_kernels import cpu_kernels
 
 
 def test_auto_is_the_cpu_kernel_on_cpu_and_pallas_needs_a_gpu():
-    assert attention.resolve("auto", "cpu") == ("cpu" if cpu_kernels.preferred() else "xla")
+    assert attention.resolve("auto", "cpu") == ("cpu" if cpu_kernels.preferred("attention") else "xla")
     assert attention.resolve("auto", "gpu") == "pallas"
     assert attention.resolve("auto", "rocm") == "pallas"
     with pytest.raises(jspec.ConfigError, match="GPU"):

@@ -52,7 +52,7 @@ def test_with_small_row_weights_adds_packed_transposes_of_the_layer_projections_
 
 @pytest.fixture
 def kernels_on(monkeypatch):
-    """The kernel's path on any CPU (the model uses it by default only on AVX-512 CPUs)."""
+    """The kernel's path on any CPU (the model uses it by default only with AVX-512 or AVX2 + FMA)."""
     if not small_rows.available():
         pytest.skip("no C++ compiler: the kernel is not built")
     monkeypatch.setenv("JSPEC_CPU_KERNELS", "1")

@@ -190,7 +190,7 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def small_rows_apply(dtype) -> bool:
     """Whether a product in ``dtype`` runs on the CPU small-row kernel (float32, the CPU backend,
     kernel built and tuned for this CPU: ``cpu_kernels.preferred``; a GPU machine never builds it)."""
-    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred()
+    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows")
 
 
 def _few_rows(x, dtype) -> bool:

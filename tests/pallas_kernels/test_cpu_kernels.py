@@ -46,17 +46,20 @@ def test_the_build_is_cached_per_source_and_written_whole(tmp_path, monkeypatch)
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
 
 
-@pytest.mark.parametrize("flags,mode,used", [
-    ("fpu sse2 avx avx2 fma avx512f avx512bw", None, True),  # tuned for AVX-512: on
-    ("fpu sse2 avx avx2 fma", None, False),  # AVX2 only: slower than XLA there, off
-    ("fpu sse2 avx avx2 fma", "auto", False),
-    ("fpu sse2 avx avx2 fma", "1", True),  # asked for on any CPU
-    ("fpu sse2 avx avx2 fma avx512f", "0", False),  # switched off
+@pytest.mark.parametrize("flags,mode,rows_used,attention_used", [
+    ("fpu sse2 avx avx2 fma avx512f avx512bw", None, True, True),  # tuned for AVX-512: both on
+    ("fpu sse2 avx avx2 fma", None, True, False),  # AVX2 + FMA: the small-row product's AVX2 tiles
+    ("fpu sse2 avx avx2 fma", "auto", True, False),
+    ("fpu sse2 avx avx2", None, False, False),  # no FMA: neither
+    ("fpu sse2 avx", "1", True, True),  # asked for on any CPU
+    ("fpu sse2 avx avx2 fma avx512f", "0", False, False),  # switched off
 ])
-def test_the_model_uses_the_kernels_only_on_cpus_they_are_tuned_for(monkeypatch, flags, mode, used):
-    """The kernels' tiles are sized for AVX-512's 32 registers; on an AVX2 CPU they measured
-    slower than XLA, so the model's small-row products and "auto" attention use them only on
-    AVX-512 CPUs unless JSPEC_CPU_KERNELS asks otherwise. A direct kernel call still runs them."""
+def test_the_model_uses_each_kernel_only_on_cpus_it_is_tuned_for(monkeypatch, flags, mode, rows_used,
+                                                                  attention_used):
+    """Both kernels are tuned for AVX-512; the small-row product also for AVX2 + FMA (before its
+    AVX2 tiles it measured slower than XLA there), the attention kernel not: the model's
+    small-row products and "auto" attention use each only where it is tuned, unless
+    JSPEC_CPU_KERNELS asks otherwise. A direct kernel call still runs them."""
     if not cpu_kernels.available():
         pytest.skip("no C++ compiler")
     from jspec.models.llama import small_rows_apply
@@ -66,9 +69,15 @@ def test_the_model_uses_the_kernels_only_on_cpus_they_are_tuned_for(monkeypatch,
         monkeypatch.delenv("JSPEC_CPU_KERNELS", raising=False)
     else:
         monkeypatch.setenv("JSPEC_CPU_KERNELS", mode)
-    assert cpu_kernels.preferred() is used
-    assert attention.resolve("auto", "cpu") == ("cpu" if used else "xla")
-    assert small_rows_apply(np.float32) is used
+    assert cpu_kernels.preferred("small_rows") is rows_used
+    assert cpu_kernels.preferred("attention") is attention_used
+    assert attention.resolve("auto", "cpu") == ("cpu" if attention_used else "xla")
+    assert small_rows_apply(np.float32) is rows_used
     x, w = np.ones((2, 32), np.float32), np.ones((8, 32), np.float32)
     lowered = jax.jit(lambda a, b: small_rows_matmul(a, b)).lower(x, w)  # a new function: traced afresh
     assert ("jspec_small_rows" in lowered.as_text()) is (mode != "0")
+
+
+def test_an_unknown_kernel_name_is_a_value_error():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        cpu_kernels.tuned_for_this_cpu("softmax")
