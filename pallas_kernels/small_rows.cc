@@ -30,7 +30,9 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX2__)
+// Which tiles this build compiles: AVX2 intrinsics on a CPU with AVX2 and FMA but not AVX-512.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define JSPEC_AVX2_TILES 1
 #include <immintrin.h>
 #endif
 #include "xla/ffi/api/ffi.h"
@@ -46,12 +48,11 @@ using jspec_cpu::v16;
 namespace {
 
 constexpr int kPackRows = 4;         // weight rows interleaved by the packed layout
-#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
+#ifndef JSPEC_AVX2_TILES
 constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4 accumulators)
-#else  // AVX2: 16 registers of 8 floats (see the second tile below)
-constexpr int kMaxRowsPlain = 8;     // 8 accumulators, one weight half, one row of x
-constexpr int kMaxRowsPacked = 3;    // 3 x 4 accumulators, 4 weight halves, one row of x
+#else  // 16 registers of 8 floats: 3 x 4 accumulators, 4 weight halves, one row of x
+constexpr int kMaxRowsPacked = 3;
 #endif
 constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
 // Each step asks for the weight's cache lines 8 KB ahead into L2 (prefetcht1): with several rows
@@ -66,7 +67,7 @@ constexpr int64_t kPrefetchFloats = 8192 / sizeof(float);
 //   packed [N / 4, K / 16, 4, 16]:     wt = w + n K, step = 4 * 16, jstride = 16
 // y[m .. m + R, n .. n + C] for R rows of x. Each output is summed in the same order (16 lanes
 // along k, then the lanes) whatever R is, so a row's result does not depend on its neighbours.
-#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
+#ifndef JSPEC_AVX2_TILES
 template <int R, int C>
 void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
           int64_t step, int64_t jstride) {

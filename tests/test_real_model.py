@@ -117,9 +117,9 @@ def test_engine_batches_real_requests_losslessly(smollm2):
     verified drafts at every step, the target continuing the prefilled pattern) and the shipped
     EAGLE head: each output equals the prompt run alone.
 
-    Dynamic k may rightly pick k = 0 throughout (on an AVX2 host without the CPU kernels a
-    verification step costs more than its accepted tokens save), so only the fixed-k runs must
-    have drafted."""
+    Dynamic k may rightly pick k = 0 throughout (on a host where a verification step costs more
+    than its accepted tokens save, as on an AVX2 host before its small-row tiles), so only the
+    fixed-k runs must have drafted."""
     sp = jspec.SamplingParams(max_tokens=32)
     prompts = PROMPTS[:2] + ["def is_palindrome(s: str) -> bool:\n", "def add(a, b):"]
     alone = [jspec.generate(smollm2, [p], sp).token_ids[0] for p in prompts]
