@@ -19,8 +19,15 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+// Which code the kernels compile: AVX-512 where the CPU has it (the 16-lane vectors below are
+// one register); on a CPU with AVX2 and FMA but not AVX-512, tiles written in AVX2 intrinsics
+// (JSPEC_AVX2_TILES: 16 registers of 8 floats, so smaller tiles than the 16-lane code, which
+// there would keep its accumulators in memory); elsewhere whatever the compiler makes of them.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define JSPEC_AVX2_TILES 1
 #endif
 
 namespace jspec_cpu {

@@ -13,8 +13,8 @@ and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (de
 library is built in a temporary file and renamed, so a cache never holds half a build. Where
 there is no compiler, the build fails, or ``JSPEC_CPU_KERNELS=0``, :func:`available` is False
 (with one logged warning) and every caller runs its plain-XLA reference instead. The model and
-"auto" attention use them only where they are faster than XLA (:func:`preferred`): the
-small-row product on CPUs with AVX-512 or AVX2 + FMA, the attention kernel on AVX-512 only.
+"auto" attention use them only where they are faster than XLA (:func:`preferred`): on CPUs
+with AVX-512 or AVX2 + FMA.
 """
 
 from __future__ import annotations
@@ -103,19 +103,17 @@ KERNELS = ("small_rows", "attention")
 
 
 def tuned_for_this_cpu(kernel: str) -> bool:
-    """Whether ``kernel`` ("small_rows" or "attention") has code tuned for this CPU's vectors.
-    Both are tuned for AVX-512F (32 registers of 16 floats). The small-row product also has an
-    AVX2 + FMA version (16 registers of 8 floats: tiles of 3 rows of x against 4 weight rows);
-    before it existed the AVX-512 tiles, compiled for AVX2, spilled and ran slower than XLA's own
-    product (30 layers of projections at 5 rows 133 ms against 47, BENCHMARKS.md, 2026-12-03),
-    and with it they run at ~0.5x XLA's time at 5 rows, ~0.85x at 1 (2026-12-04). The attention
-    kernel has no AVX2 version: there it stays with XLA's attention."""
+    """Whether ``kernel`` ("small_rows" or "attention") has code tuned for this CPU's vectors:
+    AVX-512F (32 registers of 16 floats), or AVX2 + FMA (16 registers of 8 floats), where both
+    kernels have tiles of their own (``JSPEC_AVX2_TILES`` in ``cpu_common.h``). Before those
+    existed, the AVX-512 code compiled for AVX2 kept its accumulators in memory and ran slower than
+    XLA: the small-row product 133 ms against 47 for 30 layers of projections at 5 rows, the
+    attention 55 ms against 31 for 30 layers at q_len 5 and 1,000 keys (BENCHMARKS.md,
+    2026-12-03/04). Elsewhere (no FMA, or another architecture) XLA's own code runs."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     flags = set(_cpu_flags().split())
-    if "avx512f" in flags:
-        return True
-    return kernel == "small_rows" and {"avx2", "fma"} <= flags
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def preferred(kernel: str) -> bool:

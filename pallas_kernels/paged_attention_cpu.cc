@@ -19,6 +19,10 @@
 // pages are read in place. Each row's result is computed in the same order whatever the other
 // rows, so a decode step's row equals the same row inside a verification step's.
 //
+// On a CPU with AVX2 and FMA but not AVX-512 (JSPEC_AVX2_TILES) the same passes run as AVX2
+// tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x
+// 32 floats, exp and softmax in 8 lanes, and the key and value rows prefetched 4 blocks ahead.
+//
 // Built with pallas_kernels/small_rows.cc into one library (pallas_kernels/cpu_kernels.py).
 // Reference: pallas_kernels.paged_verify_attention.paged_verify_attention_reference.
 
@@ -42,7 +46,11 @@ using jspec_cpu::v16;
 
 namespace {
 
+#ifdef JSPEC_AVX2_TILES
+constexpr int kRowGroup = 3;  // rows of one head accumulated together in the value pass (3 x 32 floats)
+#else
 constexpr int kRowGroup = 4;  // rows of one head accumulated together in the value pass
+#endif
 
 typedef int32_t i16v __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
@@ -108,6 +116,9 @@ struct Shapes {
   int64_t B, T, Hq, D, KVH, P, S, W, G;
 };
 
+#ifdef JSPEC_AVX2_TILES
+constexpr int64_t kAheadBlocks = 4;  // blocks of 16 keys prefetched ahead in the scores pass
+#endif
 constexpr int64_t kChunkKeys = 256;  // keys per unit of work (split-K, combined at the end)
 
 // acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..], for
@@ -136,6 +147,142 @@ void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t 
     for (int i = 0; i < NV; ++i) store(acc[r] + d + i * kLanes, a[r][i]);
 }
 
+#ifdef JSPEC_AVX2_TILES
+// AVX2 + FMA (16 registers of 8 floats). The 16-lane code above keeps 16 score accumulators of
+// a row (32 halves) or 4 x 4 value accumulators, more than these CPUs have registers for: GCC
+// kept them in memory and the kernel ran slower than XLA's attention (at q_len 5 and 1,000
+// keys, 30 layers: 55 ms against 31). Here the same passes are tiled to fit.
+
+// exp over 8 lanes, the same method as vexp in intrinsics (vexp's 16-lane selects and
+// conversions, on these CPUs, went partly lane by lane); -inf and anything below -87.3 -> 0.
+inline __m256 vexp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// A row's softmax within the chunk: m = max of its `seen` scores, sr[i] = exp(sr[i] - m) in
+// place, returns l = their sum (8 lanes, then the lanes, then the last seen % 8 as one vector
+// padded with -inf).
+inline float softmax_row_avx2(float* sr, int64_t seen, float& m) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= seen; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; i < seen; ++i) m = std::max(m, sr[i]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= seen; i += 8) {
+    const __m256 p = vexp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), mb));
+    _mm256_storeu_ps(sr + i, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (i < seen) {
+    for (int j = 0; j < 8; ++j) lanes[j] = i + j < seen ? sr[i + j] - m : -std::numeric_limits<float>::infinity();
+    const __m256 p = vexp8(_mm256_loadu_ps(lanes));
+    _mm256_storeu_ps(lanes, p);
+    for (int64_t j = i; j < seen; ++j) sr[j] = lanes[j - i];
+    sum = _mm256_add_ps(sum, p);
+  }
+  _mm256_storeu_ps(lanes, sum);
+  float l = 0.f;
+  for (float x : lanes) l += x;
+  return l;
+}
+
+// dots[i][j0 + j] = q_i . k_j (unscaled) for R <= 3 query rows against 4 keys: 12 accumulators,
+// the 3 rows' 8 floats held, a key's 8 floats loaded once for all of them. Each dot is summed
+// in the same order whatever R: 8-lane partial sums along D, the lanes (hadd), then the
+// columns past the last multiple of 8 one by one.
+template <int R>
+inline void dots_tile(const float* const* qr, const float* const* keys, int64_t D, float (*dots)[kLanes], int j0) {
+  __m256 acc[R][4];
+#pragma GCC unroll 3
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= D; c += 8) {
+    __m256 qv[R];
+#pragma GCC unroll 3
+    for (int i = 0; i < R; ++i) qv[i] = _mm256_loadu_ps(qr[i] + c);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(keys[j] + c);
+#pragma GCC unroll 3
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 3  // unrolled, so that acc stays in registers (not stored every step)
+  for (int i = 0; i < R; ++i) {
+    // [a0 a1 a2 a3] lanes 0-3 | 4-7, then the halves added: the 4 sums at once
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int64_t t = c; t < D; ++t)
+      for (int j = 0; j < 4; ++j) out[j] += qr[i][t] * keys[j][t];
+    std::memcpy(dots[i] + j0, out, sizeof out);
+  }
+}
+
+// acc[r][d .. d + 8 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..] for
+// RG <= 3 rows, the accumulators (RG x NV <= 12) held in registers through the keys, v(pos) =
+// vrows[pos - from]; the same fused multiply-add per element as the per-row tail in `unit`.
+template <int RG, int NV>
+void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64_t d, const float* const* vrows,
+                      float (&acc)[kRowGroup][256]) {
+  __m256 a[RG][NV];
+#pragma GCC unroll 3
+  for (int r = 0; r < RG; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm256_loadu_ps(acc[r] + d + 8 * i);
+  for (int64_t pos = from; pos < to; ++pos) {
+    const float* v = vrows[pos - from] + d;
+    if (pos + kLanes < to) _mm_prefetch(reinterpret_cast<const char*>(vrows[pos - from + kLanes] + d), _MM_HINT_T0);
+    __m256 pr[RG];
+#pragma GCC unroll 3
+    for (int r = 0; r < RG; ++r) pr[r] = _mm256_broadcast_ss(p + r * n + pos - from);
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) {
+      const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+#pragma GCC unroll 3
+      for (int r = 0; r < RG; ++r) a[r][i] = _mm256_fmadd_ps(pr[r], vv, a[r][i]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < RG; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc[r] + d + 8 * i, a[r][i]);
+}
+
+template <int NV>
+void value_rows_avx2(const float* p, int64_t n, int64_t rows, int64_t from, int64_t to, int64_t d,
+                     const float* const* vrows, float (&acc)[kRowGroup][256]) {
+  static_assert(kRowGroup == 3, "one case per group size");
+  switch (rows) {
+    case 3: value_block_avx2<3, NV>(p, n, from, to, d, vrows, acc); break;
+    case 2: value_block_avx2<2, NV>(p, n, from, to, d, vrows, acc); break;
+    case 1: value_block_avx2<1, NV>(p, n, from, to, d, vrows, acc); break;
+    default: break;
+  }
+}
+#endif
+
 // One unit: sequence b, KV head kvh, keys [k0, k1). Its rows are the G query heads of the KV
 // head times the T query rows (row r = t * G + g), so each K and V row is read once for all of
 // them. Row r (position first_pos + t) sees keys <= first_pos + t. Writes per row the chunk's
@@ -157,6 +304,22 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
   auto prefetch_page = [&](const float* page, int64_t keys) {
     for (int64_t i = 0; i < keys * D; i += kLanes) __builtin_prefetch(page + i);
   };
+#ifdef JSPEC_AVX2_TILES
+  // The key rows of the block kAheadBlocks ahead into L1, its value rows into L2 (the value pass
+  // reads them once the chunk's scores are done): a block's scores take less time than a read
+  // from memory, so asking for the next block only (as the AVX-512 code does) leaves it waiting.
+  auto prefetch_block = [&](int64_t pos) {
+    if (pos >= k1) return;
+    const int64_t keys = std::min<int64_t>(std::min<int64_t>(kLanes, k1 - pos), S - pos % S);  // in pos's page
+    const float* kr = page_of(kp, pos / S) + (pos % S) * D;
+    const float* vr = page_of(vp, pos / S) + (pos % S) * D;
+    for (int64_t i = 0; i < keys * D; i += kLanes) {
+      __builtin_prefetch(kr + i, 0, 3);
+      __builtin_prefetch(vr + i, 0, 2);
+    }
+  };
+  for (int64_t i = 0; i < kAheadBlocks; ++i) prefetch_block(k0 + i * kLanes);
+#endif
   // scores of every row against the keys it sees, 16 keys at a time: a row's 16 dot products are
   // accumulated as 16 vectors and summed across lanes together (reduce16), not one by one
   for (int64_t p0 = k0; p0 < k1; p0 += kLanes) {
@@ -166,10 +329,32 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
       const int64_t pos = p0 + std::min(j, nb - 1);
       keys[j] = page_of(kp, pos / S) + (pos % S) * D;
     }
+#ifdef JSPEC_AVX2_TILES
+    prefetch_block(p0 + kAheadBlocks * kLanes);
+#else
     if (p0 + kLanes < k1) {  // the next block's key rows
       const int64_t pos = p0 + kLanes;
       prefetch_page(page_of(kp, pos / S) + (pos % S) * D, std::min<int64_t>(kLanes, S - pos % S));
     }
+#endif
+#ifdef JSPEC_AVX2_TILES
+    for (int64_t r0 = std::max<int64_t>(0, p0 - first_pos) * G; r0 < R; r0 += 3) {  // 3 rows at a time
+      const int64_t nr = std::min<int64_t>(3, R - r0);
+      const float* qr[3] = {qrow(r0), qrow(r0 + (nr > 1)), qrow(r0 + 2 * (nr > 2))};
+      float dots[3][kLanes];
+      for (int j0 = 0; j0 < kLanes; j0 += 4) {
+        if (nr == 3) dots_tile<3>(qr, keys + j0, D, dots, j0);
+        else if (nr == 2) dots_tile<2>(qr, keys + j0, D, dots, j0);
+        else dots_tile<1>(qr, keys + j0, D, dots, j0);
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        for (float& x : dots[i]) x *= scale;
+        const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
+        std::memcpy(scores.data() + r * n + (p0 - k0), dots[i], sizeof(float) * seen);
+      }
+    }
+#else
     for (int64_t r = std::max<int64_t>(0, p0 - first_pos) * G; r < R; ++r) {
       const float* qr = qrow(r);
       v16 acc[kLanes];
@@ -186,6 +371,7 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
       const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
       std::memcpy(scores.data() + r * n + (p0 - k0), &dots, sizeof(float) * seen);
     }
+#endif
   }
   // per row: m, then p = exp(score - m) in place, l = sum p
   for (int64_t r = 0; r < R; ++r) {
@@ -197,6 +383,10 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
       out[1] = 0.f;
       continue;
     }
+#ifdef JSPEC_AVX2_TILES
+    float m;
+    const float l = softmax_row_avx2(sr, seen, m);
+#else
     float m = ninf;
     for (int64_t i = 0; i < seen; ++i) m = std::max(m, sr[i]);
     v16 sum = v16{};
@@ -216,22 +406,39 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
         l += p[j - i];
       }
     }
+#endif
     out[0] = m;
     out[1] = l;
   }
   // values, kRowGroup rows at a time: acc[r] = sum over seen keys of p[r, key] v[key]. The keys
   // every row of the group sees run with the accumulators in registers, 64 floats of them at a
-  // time (value_block); the group's last few keys, which only some of its rows see, one row at
+  // time (value_block; AVX2: 32, value_block_avx2); the group's last few keys, which only some of its rows see, one row at
   // a time. Either way each row adds its keys in order with the same operations.
+  auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
+#ifdef JSPEC_AVX2_TILES
+  const float* vrows[kChunkKeys + kLanes];  // vrow(k0 + i), and the last row again past the end
+  for (int64_t i = 0; i < n + kLanes; ++i) vrows[i] = vrow(k0 + std::min(i, n - 1));
+#endif
   for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
     const int64_t g1 = std::min(R, g0 + kRowGroup);
     float acc[kRowGroup][256];  // D <= 256 (checked by the caller)
     for (int64_t r = g0; r < g1; ++r) std::fill(acc[r - g0], acc[r - g0] + D, 0.0f);
     const int64_t last = std::min(k1, first_pos + (g1 - 1) / G + 1);  // keys the group's last row sees
     const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
-    auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
     const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
     int64_t d = 0;
+#ifdef JSPEC_AVX2_TILES
+    for (; d + 32 <= D; d += 32) value_rows_avx2<4>(p, n, g1 - g0, k0, all, d, vrows, acc);
+    switch ((D - d) / 8) {
+      case 3: value_rows_avx2<3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      case 2: value_rows_avx2<2>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      case 1: value_rows_avx2<1>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      default: break;
+    }
+    for (d = D / 8 * 8; d < D; ++d)  // the columns past the last multiple of 8
+      for (int64_t pos = k0; pos < all; ++pos)
+        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrow(pos)[d];
+#else
     for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<4>(p, n, g1 - g0, k0, all, d, vrow, acc);
     switch ((D - d) / kLanes) {
       case 3: value_block<3>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
@@ -242,6 +449,7 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
     for (d = D / kLanes * kLanes; d < D; ++d)  // the columns past the last full vector
       for (int64_t pos = k0; pos < all; ++pos)
         for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrow(pos)[d];
+#endif
     for (int64_t pos = all; pos < last; ++pos) {
       const float* v = vrow(pos);
       const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
@@ -249,7 +457,12 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
         const float pr = p[(r - g0) * n + pos - k0];
         float* a = acc[r - g0];
         int64_t c = 0;
+#ifdef JSPEC_AVX2_TILES
+        for (; c + 8 <= D; c += 8)
+          _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), _mm256_loadu_ps(v + c), _mm256_loadu_ps(a + c)));
+#else
         for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * load(v + c));
+#endif
         for (; c < D; ++c) a[c] += pr * v[c];
       }
     }

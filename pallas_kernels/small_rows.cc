@@ -28,13 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_common.h"
-
-// Which tiles this build compiles: AVX2 intrinsics on a CPU with AVX2 and FMA but not AVX-512.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define JSPEC_AVX2_TILES 1
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"  // JSPEC_AVX2_TILES: which tiles this build compiles
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -48,18 +48,18 @@ def test_the_build_is_cached_per_source_and_written_whole(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("flags,mode,rows_used,attention_used", [
     ("fpu sse2 avx avx2 fma avx512f avx512bw", None, True, True),  # tuned for AVX-512: both on
-    ("fpu sse2 avx avx2 fma", None, True, False),  # AVX2 + FMA: the small-row product's AVX2 tiles
-    ("fpu sse2 avx avx2 fma", "auto", True, False),
+    ("fpu sse2 avx avx2 fma", None, True, True),  # AVX2 + FMA: both kernels' AVX2 tiles
+    ("fpu sse2 avx avx2 fma", "auto", True, True),
     ("fpu sse2 avx avx2", None, False, False),  # no FMA: neither
     ("fpu sse2 avx", "1", True, True),  # asked for on any CPU
     ("fpu sse2 avx avx2 fma avx512f", "0", False, False),  # switched off
 ])
 def test_the_model_uses_each_kernel_only_on_cpus_it_is_tuned_for(monkeypatch, flags, mode, rows_used,
                                                                   attention_used):
-    """Both kernels are tuned for AVX-512; the small-row product also for AVX2 + FMA (before its
-    AVX2 tiles it measured slower than XLA there), the attention kernel not: the model's
-    small-row products and "auto" attention use each only where it is tuned, unless
-    JSPEC_CPU_KERNELS asks otherwise. A direct kernel call still runs them."""
+    """Both kernels are tuned for AVX-512 and for AVX2 + FMA (before their AVX2 tiles each
+    measured slower than XLA there): the model's small-row products and "auto" attention use
+    them only on those CPUs, unless JSPEC_CPU_KERNELS asks otherwise. A direct kernel call still
+    runs them."""
     if not cpu_kernels.available():
         pytest.skip("no C++ compiler")
     from jspec.models.llama import small_rows_apply
