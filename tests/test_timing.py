@@ -5,7 +5,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jspec.timing import Stopwatch, compile_seconds
+from jspec.timing import Stopwatch, compile_seconds, describe_machine, vector_extensions
 
 
 def test_nested_compilation_counted_once():
@@ -28,3 +28,16 @@ def test_nested_compilation_counted_once():
     outer(jnp.ones(8)).block_until_ready()  # cached: nothing compiles
     assert w2.compile_s() == 0.0 and w2.elapsed() >= 0.05
     assert compile_seconds(0.0, 0.0) == 0.0
+
+
+def test_the_machine_line_names_the_vector_extensions_the_kernels_use():
+    assert vector_extensions({"sse2", "avx2", "fma", "avx512f"}) == "AVX-512"
+    assert vector_extensions({"sse2", "avx2", "fma"}) == "AVX2 + FMA"
+    assert vector_extensions({"sse2", "avx2"}) == "neither AVX-512 nor AVX2 + FMA"  # no FMA: no tiles
+    line = describe_machine()
+    assert f"jax {jax.__version__}" in line
+    try:
+        flags = next(set(l.split(":", 1)[1].split()) for l in open("/proc/cpuinfo") if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return
+    assert f"({vector_extensions(flags)})" in line
