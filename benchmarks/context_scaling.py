@@ -1,7 +1,7 @@
 """How a decode step and a k = 4 verification step grow with the context (issue 11, item 5).
 
     python benchmarks/context_scaling.py [--contexts 100,250,500,1000] [--k 4] [--rounds 3]
-                                         [--repeats 10] [--attention auto]
+                                         [--repeats 10] [--attention auto | xla,cpu]
                                          [--compare-small-row-weights]
 
 For each context length an engine holds one request whose prompt is that many tokens of
@@ -18,7 +18,8 @@ that the VM's drift falls on all of them alike. Printed: ms per step, each again
 context's decode step, and verify / decode at each context. The steps run on the engine's
 parameters (on the CPU: with the packed weight copy the small-row kernel reads);
 ``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
-(" (copy)") in the same rounds.
+(" (copy)") in the same rounds; ``--attention xla,cpu`` (several, comma-separated) times each
+attention implementation's steps in the same rounds, each on an engine of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--attention", default="auto",
+                    help="attention implementation; several, comma-separated (e.g. xla,cpu), are timed side by side")
     ap.add_argument("--no-donate", action="store_true", help="time without donating the state (copies the pool)")
     ap.add_argument("--compare-small-row-weights", action="store_true",
                     help="also time every step with the small-row weight copy")
@@ -55,18 +57,22 @@ def main():
           f"{'not donated' if args.no_donate else 'donated'}")
     print(f"SmolLM2-135M-Instruct (float32), batch 1, k = {args.k}; best over {args.rounds} interleaved rounds "
           f"of best-of-{args.repeats} calls, ms")
-    variants = {"": None}  # the engine's own parameters
+    weights = {"": None}  # the engine's own parameters
     if args.compare_small_row_weights:
-        variants = {" (no copy)": model.params, " (copy)": with_small_row_weights(model.params)}
+        weights = {" (no copy)": model.params, " (copy)": with_small_row_weights(model.params)}
+    attentions = args.attention.split(",")
+    variants = [(a, w) for a in attentions for w in weights]
+    label = {(a, w): (f" ({a})" if len(attentions) > 1 else "") + w for a, w in variants}
     cases = {}  # (context, q_len, variant) -> a zero-argument step
     for c in contexts:
-        engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=args.attention,
-                                 extra_tokens=max(contexts) - c)
-        for q in (1, args.k + 1):
-            for v, params in variants.items():
-                loop = StepLoop(engine, q, params=params)
-                cases[(c, q, v)] = _undonated(loop) if args.no_donate else loop
-                jax.block_until_ready(cases[(c, q, v)]())  # compile
+        for a in attentions:
+            engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=a,
+                                     extra_tokens=max(contexts) - c)
+            for q in (1, args.k + 1):
+                for w, params in weights.items():
+                    loop = StepLoop(engine, q, params=params)
+                    cases[(c, q, (a, w))] = _undonated(loop) if args.no_donate else loop
+                    jax.block_until_ready(cases[(c, q, (a, w))]())  # compile
         cache = engine.runner.state.cache
         print(f"  context {c}: prepared (kv length {int(cache.lengths[0])}, {cache.num_pages} pages of "
               f"{cache.page_size})", flush=True)
@@ -74,12 +80,12 @@ def main():
     for _ in range(args.rounds):
         for key, fn in cases.items():
             best[key] = min(best[key], best_ms(fn, repeats=args.repeats, compile=False))
-    base = best[(contexts[0], 1, next(iter(variants)))]
+    base = best[(contexts[0], 1, variants[0])]
     rows = []
     for var in variants:
         for c in contexts:
             d, v = best[(c, 1, var)], best[(c, args.k + 1, var)]
-            rows.append({"context": f"{c}{var}", "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
+            rows.append({"context": f"{c}{label[var]}", "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
                          f"verify k={args.k} ms": f"{v:.1f}", f"verify vs decode at {contexts[0]}": f"{v / base:.2f}x",
                          "verify / decode": f"{v / d:.2f}x"})
     print()
