@@ -15,7 +15,7 @@ did before 2026-12-01: then XLA copies every layer's pages before writing into t
 the pool's size. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
-context's decode step, and verify / decode at each context. The steps run on the engine's
+context's decode step of the same variant (attention, weights), and verify / decode at each context. The steps run on the engine's
 parameters (on the CPU: with the packed weight copy the small-row kernel reads);
 ``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
 (" (copy)") in the same rounds; ``--attention xla,cpu`` (several, comma-separated) times each
@@ -80,9 +80,9 @@ def main():
     for _ in range(args.rounds):
         for key, fn in cases.items():
             best[key] = min(best[key], best_ms(fn, repeats=args.repeats, compile=False))
-    base = best[(contexts[0], 1, variants[0])]
     rows = []
-    for var in variants:
+    for var in variants:  # each against its own decode step at the shortest context
+        base = best[(contexts[0], 1, var)]
         for c in contexts:
             d, v = best[(c, 1, var)], best[(c, args.k + 1, var)]
             rows.append({"context": f"{c}{label[var]}", "decode ms": f"{d:.1f}", f"decode vs {contexts[0]}": f"{d / base:.2f}x",
