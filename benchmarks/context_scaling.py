@@ -16,8 +16,8 @@ the pool's size. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
 context's decode step of the same variant (attention, weights), and verify / decode at each
-context. The steps run on the engine's parameters (on the CPU: with the packed weight copy the small-row kernel reads);
-``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
+context. The steps run on the engine's parameters (on the CPU: with the packed weight copy the
+small-row kernel reads); ``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
 (" (copy)") in the same rounds; ``--attention xla,cpu`` (several, comma-separated) times each
 attention implementation's steps in the same rounds, each on an engine of its own.
 """
