@@ -24,6 +24,7 @@ CASES = [
     Case(t=17, group=8, head_dim=128, page_size=16, kv_lens=(17, 300), garbage="mixed"),
     Case(t=2, group=2, head_dim=80, page_size=16, kv_lens=(2, 90), garbage="mixed"),  # D not a multiple of 16
     Case(t=3, group=1, head_dim=8, page_size=4, kv_lens=(3, 0, 9), q_lens=(3, 0, 2)),  # an empty sequence
+    Case(t=4, group=2, head_dim=44, page_size=8, kv_lens=(4, 300), garbage="mixed"),  # D % 8 != 0: scalar tails
     Case(t=64, group=3, head_dim=64, page_size=16, kv_lens=(64, 700), q_lens=(64, 40), kv_heads=3),  # prefill
 ]
 
