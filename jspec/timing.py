@@ -68,32 +68,24 @@ class Stopwatch:
         return max(0.0, (now - self.t0) - compile_seconds(self.t0, now))
 
 
-def vector_extensions(flags: set[str]) -> str:
-    """Which of jspec's CPU kernel tiles a CPU with these /proc/cpuinfo flags gets."""
-    if "avx512f" in flags:
-        return "AVX-512"
-    return "AVX2 + FMA" if {"avx2", "fma"} <= flags else "neither AVX-512 nor AVX2 + FMA"
-
-
 def describe_machine() -> str:
     """CPU model and vector extensions (which of jspec's CPU kernels' tiles apply: AVX-512 or
     AVX2 + FMA), core count, Python and jax versions, backend: the line benchmarks record."""
     import os
     import platform
 
-    model, flags = None, None
+    from pallas_kernels.cpu_kernels import vector_extensions
+
+    cpu = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model is None:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and flags is None:
-                    flags = set(line.split(":", 1)[1].split())
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    cpu = model or platform.processor() or "unknown CPU"
-    if flags is not None:
-        cpu += f" ({vector_extensions(flags)})"
+    cpu += f" ({vector_extensions()})"
     devices = ", ".join(sorted({getattr(d, "device_kind", d.platform) for d in jax.devices()}))
     return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__} "
             f"({jax.default_backend()}: {devices})")

@@ -56,6 +56,15 @@ inline float hsum(v16 v) {
 
 inline v16 splat(float f) { return v16{} + f; }
 
+#ifdef JSPEC_AVX2_TILES
+// Sum of the 8 lanes of an AVX2 register (the two halves, then pairwise), the same order always.
+inline float hsum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
   struct State {
     std::atomic<int64_t> next{0};

@@ -100,6 +100,16 @@ def available() -> bool:
 
 
 KERNELS = ("small_rows", "attention")
+NO_TILES = "neither AVX-512 nor AVX2 + FMA"
+
+
+def vector_extensions(flags=None) -> str:
+    """Which vector extensions the kernels have tiles for this CPU has (or a CPU with ``flags``,
+    /proc/cpuinfo's names): "AVX-512", "AVX2 + FMA" or :data:`NO_TILES`."""
+    flags = set(_cpu_flags().split() if flags is None else flags)
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2 + FMA" if {"avx2", "fma"} <= flags else NO_TILES
 
 
 def tuned_for_this_cpu(kernel: str) -> bool:
@@ -112,8 +122,7 @@ def tuned_for_this_cpu(kernel: str) -> bool:
     2026-12-03/04). Elsewhere (no FMA, or another architecture) XLA's own code runs."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    flags = set(_cpu_flags().split())
-    return "avx512f" in flags or {"avx2", "fma"} <= flags
+    return vector_extensions() != NO_TILES
 
 
 def preferred(kernel: str) -> bool:

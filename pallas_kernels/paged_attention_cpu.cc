@@ -174,8 +174,8 @@ inline __m256 vexp8(__m256 x) {
 }
 
 // A row's softmax within the chunk: m = max of its `seen` scores, sr[i] = exp(sr[i] - m) in
-// place, returns l = their sum (8 lanes, then the lanes, then the last seen % 8 as one vector
-// padded with -inf).
+// place, returns l = their sum (8 lanes, the last seen % 8 as one vector padded with -inf, then
+// the lanes: hsum8).
 inline float softmax_row_avx2(float* sr, int64_t seen, float& m) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -199,10 +199,7 @@ inline float softmax_row_avx2(float* sr, int64_t seen, float& m) {
     for (int64_t j = i; j < seen; ++j) sr[j] = lanes[j - i];
     sum = _mm256_add_ps(sum, p);
   }
-  _mm256_storeu_ps(lanes, sum);
-  float l = 0.f;
-  for (float x : lanes) l += x;
-  return l;
+  return jspec_cpu::hsum8(sum);
 }
 
 // dots[i][j0 + j] = q_i . k_j (unscaled) for R <= 3 query rows against 4 keys: 12 accumulators,
@@ -412,8 +409,8 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
   }
   // values, kRowGroup rows at a time: acc[r] = sum over seen keys of p[r, key] v[key]. The keys
   // every row of the group sees run with the accumulators in registers, 64 floats of them at a
-  // time (value_block; AVX2: 32, value_block_avx2); the group's last few keys, which only some of its rows see, one row at
-  // a time. Either way each row adds its keys in order with the same operations.
+  // time (value_block; AVX2: 32, value_block_avx2); the group's last few keys, which only some
+  // of its rows see, one row at a time. Either way each row adds its keys in order with the same operations.
   auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
 #ifdef JSPEC_AVX2_TILES
   const float* vrows[kChunkKeys + kLanes];  // vrow(k0 + i), and the last row again past the end
@@ -437,7 +434,7 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
     }
     for (d = D / 8 * 8; d < D; ++d)  // the columns past the last multiple of 8
       for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrow(pos)[d];
+        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrows[pos - k0][d];
 #else
     for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<4>(p, n, g1 - g0, k0, all, d, vrow, acc);
     switch ((D - d) / kLanes) {

@@ -128,9 +128,7 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
   }
   for (int i = 0; i < R; ++i) {
     for (int j = 0; j < C; ++j) {
-      __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
-      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-      float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+      float s = jspec_cpu::hsum8(acc[i][j]);
       for (int64_t t = k; t < K; ++t) s += x[(m + i) * K + t] * wt[j * K + t];
       y[(m + i) * N + n + j] = s;
     }
