@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--q-lens", default="1,2,5,9")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch reference row")
+    ap.add_argument("--only", default="", help="run only the variants whose name contains one of "
+                    "these comma-separated words (the first variant, XLA's default, always runs: it is the base)")
     args = ap.parse_args()
     qs = [int(q) for q in args.q_lens.split(",")]
     rng = np.random.default_rng(0)
@@ -83,7 +85,10 @@ def main():
     print("| variant | " + " | ".join(f"q = {q}" for q in qs) + " |")
     print("|---|" + "---|" * len(qs))
     ref = None
-    for name, how, opts in VARIANTS:
+    words = [w for w in args.only.split(",") if w]
+    for i, (name, how, opts) in enumerate(VARIANTS):
+        if i and words and not any(w in name for w in words):
+            continue
         weights = layouts["packed" if how == "kernel, packed" else
                           "rows" if how in ("transposed", "multiply-reduce", "kernel, plain") else "kernel"]
         fn = jax.jit(lambda x, w, how=how: _layers(x, w, how), compiler_options=opts or None)
