@@ -217,10 +217,14 @@ inline void dots_tile(const float* const* qr, const float* const* keys, int64_t 
   for (; c + 8 <= D; c += 8) {
     __m256 qv[R];
 #pragma GCC unroll 3
-    for (int i = 0; i < R; ++i) qv[i] = _mm256_loadu_ps(qr[i] + c);
+    for (int i = 0; i < R; ++i) {
+      qv[i] = _mm256_loadu_ps(qr[i] + c);
+      asm("" : "+x"(qv[i]));  // in a register: GCC would otherwise fold a load into every FMA
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256 kv = _mm256_loadu_ps(keys[j] + c);
+      __m256 kv = _mm256_loadu_ps(keys[j] + c);
+      asm("" : "+x"(kv));
 #pragma GCC unroll 3
       for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
     }
@@ -253,10 +257,14 @@ void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64
     if (pos + kLanes < to) _mm_prefetch(reinterpret_cast<const char*>(vrows[pos - from + kLanes] + d), _MM_HINT_T0);
     __m256 pr[RG];
 #pragma GCC unroll 3
-    for (int r = 0; r < RG; ++r) pr[r] = _mm256_broadcast_ss(p + r * n + pos - from);
+    for (int r = 0; r < RG; ++r) {
+      pr[r] = _mm256_broadcast_ss(p + r * n + pos - from);
+      asm("" : "+x"(pr[r]));
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) {
-      const __m256 vv = _mm256_loadu_ps(v + 8 * i);
+      __m256 vv = _mm256_loadu_ps(v + 8 * i);
+      asm("" : "+x"(vv));
 #pragma GCC unroll 3
       for (int r = 0; r < RG; ++r) a[r][i] = _mm256_fmadd_ps(pr[r], vv, a[r][i]);
     }
