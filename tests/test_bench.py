@@ -78,11 +78,22 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
 @pytest.mark.parametrize("text,fragment", [
     ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
     ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
-    ("eagle:x:3+history", "only ngram and hybrid"),
+    ("eagle:x:3+history", "only ngram and hybrid"), ("ngram:3+fast", "suffixes are"),
+    ("ngram:3+dynamic+dynamic", "each once"),
 ])
 def test_bad_methods_are_refused(text, fragment):
     with pytest.raises(jspec.ConfigError, match=fragment):
         bench.parse_methods(text)
+
+
+def test_dynamic_and_history_suffixes():
+    m = bench.parse_method("ngram:4+dynamic")
+    assert m.name == "jspec ngram k=4 +dynamic" and m.spec.dynamic_k and m.spec.ngram_history == 0
+    m = bench.parse_method("hybrid:/tmp/h:3+history+dynamic")
+    assert m.spec.dynamic_k and m.spec.ngram_history == bench.HISTORY_TOKENS and m.spec.draft == "/tmp/h"
+    assert m.spec.num_speculative_tokens == 3 and m.name.endswith("k=3 +history +dynamic")
+    assert not bench.parse_method("ngram:4").spec.dynamic_k
+    assert bench.parse_method("layerskip:10:2+dynamic").spec.dynamic_k
 
 
 def test_draft_names_keep_colons_and_default_k():

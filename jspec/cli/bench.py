@@ -31,7 +31,8 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
     b.add_argument("--start", type=int, default=0, help="skip the first prompts (default 0)")
     b.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K; "
-                   "ngram and hybrid also with +history (a lookup history over the earlier prompts) "
+                   "ngram and hybrid also with +history (a lookup history over the earlier prompts), any "
+                   "speculative one with +dynamic (the engine picks k per burst, 0..K) "
                    f"(default {DEFAULT_METHODS})")
     b.add_argument("--peers", default="", help="transformers (greedy + prompt lookup), "
                    "transformers-assisted:DRAFT (also assisted generation with a small-llama draft)")

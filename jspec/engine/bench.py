@@ -9,7 +9,9 @@ Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the refer
 ``ngram:K``, ``layerskip:L:K``, ``draft:NAME_OR_PATH:K``, ``eagle:NAME_OR_PATH:K``,
 ``hybrid:NAME_OR_PATH:K``; ``ngram:K+history`` and ``hybrid:NAME:K+history`` with a lookup
 history (``SpecConfig.ngram_history``): each prompt's lookup also searches the earlier prompts'
-text (the warm-up's is forgotten). Every jspec method runs the prompts in order through one
+text (the warm-up's is forgotten). A speculative method ``+dynamic`` lets the engine pick k per
+burst, 0 .. K, by its measured step costs (``SpecConfig.dynamic_k``), e.g. ``ngram:4+dynamic``
+beside ``ngram:4``. Every jspec method runs the prompts in order through one
 engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
 (:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
 and prompt lookup on the same weights, and its assisted generation with a draft.
@@ -74,7 +76,8 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]`` -> a jspec Method."""
+    """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]``, the
+    speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``) -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:
@@ -88,12 +91,17 @@ def parse_method(text: str) -> Method:
 
     if kind == "ar" and not rest:
         return Method("jspec ar", SpecConfig())
-    plus = rest.endswith("+history")
-    rest = rest[:-len("+history")] if plus else rest
-    if plus and kind not in ("ngram", "hybrid"):
+    rest, *suffixes = rest.split("+")
+    for suffix in suffixes:
+        if suffix not in ("history", "dynamic") or suffixes.count(suffix) > 1:
+            raise ConfigError(f"method {text!r}: suffixes are +history and +dynamic, each once, got +{suffix}")
+    if "history" in suffixes and kind not in ("ngram", "hybrid"):
         raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
-    history = {"ngram_history": HISTORY_TOKENS} if plus else {}
-    tag = " +history" if plus else ""
+    if "dynamic" in suffixes and kind not in ("ngram", "layerskip", *CHECKPOINT_METHODS):
+        raise ConfigError(f"method {text!r}: +dynamic is for speculative methods")
+    history = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
+    history |= {"dynamic_k": True} if "dynamic" in suffixes else {}
+    tag = "".join(f" +{s}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
         return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **history))
@@ -102,7 +110,8 @@ def parse_method(text: str) -> Method:
         if not layers.isdigit():
             raise ConfigError(f"method {text!r}: layerskip:L[:K] needs an integer L")
         k = k_of(ks)
-        return Method(f"jspec layerskip L={layers} k={k}", SpecConfig("layerskip", k, layerskip_layers=int(layers)))
+        return Method(f"jspec layerskip L={layers} k={k}{tag}",
+                      SpecConfig("layerskip", k, layerskip_layers=int(layers), **history))
     if kind in CHECKPOINT_METHODS:
         name, sep, ks = rest.rpartition(":")
         if not sep or not ks.isdigit():  # no K given: the whole rest is the name
@@ -112,8 +121,8 @@ def parse_method(text: str) -> Method:
         k = k_of(ks)
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}{tag}",
                       SpecConfig(kind, k, draft=name, **history))
-    raise ConfigError(f"unknown method {text!r} "
-                      "(ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K[+history])")
+    raise ConfigError(f"unknown method {text!r} (ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, "
+                      "hybrid:NAME:K[+history]; any speculative one +dynamic)")
 
 
 def parse_methods(text: str) -> list[Method]:
