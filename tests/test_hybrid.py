@@ -243,3 +243,27 @@ def test_hybrid_with_lookup_history_is_lossless_and_drafts_from_finished_request
     engine.reset_lookup_history()
     assert (np.asarray(engine.runner.drafter_params["history"]) == -1).all()
     assert set(engine.runner.drafter_params) == set(params)  # the head's parameters kept
+
+
+def test_hybrid_with_dynamic_k_drafts_every_candidate_k_and_stays_lossless(target, head_params):
+    """Dynamic k makes one drafter per candidate k (``dataclasses.replace(drafter, k=...)``): the
+    hybrid's head follows its k (it used to keep the largest and refuse), every k runs, and
+    greedy output stays the plain one."""
+    from jspec.config import EngineConfig
+    from jspec.engine.engine import LLMEngine
+
+    small = dataclasses.replace(HybridDrafter(4, EagleDrafter(4, target.config)), k=2)
+    assert small.k == small.head.k == 2
+    sp = jspec.SamplingParams(max_tokens=24, ignore_eos=True)
+    want = jspec.generate(target, PROMPTS, sp).token_ids
+    engine = LLMEngine(target, EngineConfig(max_num_seqs=3, max_num_batched_tokens=3 * 5 + 32, max_model_len=64,
+                                            page_size=8, max_burst_steps=2),
+                       SpecConfig("ngram", 4, dynamic_k=True), drafter=HybridDrafter(4, EagleDrafter(4, target.config)),
+                       drafter_params=head_params)
+    assert sorted(engine._steps) == [0, 1, 2, 4]
+    assert all(step.drafter.head.k == k for k, step in engine._steps.items() if k)
+    engine.warmup()  # calibration runs every k
+    reqs = [engine.add_request(str(i), p, sp) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.output_ids for r in reqs] == want

@@ -54,9 +54,9 @@ class HybridDrafter:
     n_min: int = 2  # ... down to this length
     history: int = 0  # the lookup's history (ngram.py); its "history" rides in the head's params dict
 
-    def __post_init__(self):
-        if self.head.k != self.k:
-            raise ValueError(f"the head drafts k={self.head.k}, the hybrid k={self.k}")
+    def __post_init__(self):  # the head drafts the hybrid's k, also after dataclasses.replace(hybrid, k=...)
+        if self.head.k != self.k:  # (the engine makes one drafter per k it may run: dynamic k)
+            object.__setattr__(self, "head", dataclasses.replace(self.head, k=self.k))
 
     @property
     def config(self) -> ModelConfig:
