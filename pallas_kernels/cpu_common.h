@@ -57,6 +57,12 @@ inline float hsum(v16 v) {
 inline v16 splat(float f) { return v16{} + f; }
 
 #ifdef JSPEC_AVX2_TILES
+// Keeps a loaded vector in its register for the FMAs that use it. Left to itself GCC 12 folds
+// the load into each FMA that reads the vector (vfmadd231ps mem, ...): a tile of 3 x 4 outputs
+// then loads 26 vectors per 24 FMAs instead of 14, and on a core that loads one 256-bit vector
+// per cycle (Zen 1) the loads, not the FMAs, set the pace (BENCHMARKS.md, nineteenth session).
+inline void pin(__m256& v) { asm("" : "+x"(v)); }
+
 // Sum of the 8 lanes of an AVX2 register (the two halves, then pairwise), the same order always.
 inline float hsum8(__m256 v) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -219,12 +219,12 @@ inline void dots_tile(const float* const* qr, const float* const* keys, int64_t 
 #pragma GCC unroll 3
     for (int i = 0; i < R; ++i) {
       qv[i] = _mm256_loadu_ps(qr[i] + c);
-      asm("" : "+x"(qv[i]));  // in a register: GCC would otherwise fold a load into every FMA
+      jspec_cpu::pin(qv[i]);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256 kv = _mm256_loadu_ps(keys[j] + c);
-      asm("" : "+x"(kv));
+      jspec_cpu::pin(kv);
 #pragma GCC unroll 3
       for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
     }
@@ -259,12 +259,12 @@ void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64
 #pragma GCC unroll 3
     for (int r = 0; r < RG; ++r) {
       pr[r] = _mm256_broadcast_ss(p + r * n + pos - from);
-      asm("" : "+x"(pr[r]));
+      jspec_cpu::pin(pr[r]);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) {
       __m256 vv = _mm256_loadu_ps(v + 8 * i);
-      asm("" : "+x"(vv));
+      jspec_cpu::pin(vv);
 #pragma GCC unroll 3
       for (int r = 0; r < RG; ++r) a[r][i] = _mm256_fmadd_ps(pr[r], vv, a[r][i]);
     }

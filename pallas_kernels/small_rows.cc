@@ -98,11 +98,9 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
 // vector of a weight row read as two halves that add into one 8-lane accumulator per output
 // (the v16 code above, on these CPUs, kept its accumulators in memory: GCC spilled the 2 x 20
 // halves and split every load). R <= 3 rows of x against C <= 4 weight rows: 12 accumulators,
-// the 3 rows of x and one weight vector in registers, so that each vector is loaded once: 7
-// loads for 12 FMAs. Left to itself GCC folded the weight loads into the FMAs (a load per FMA,
-// 26 loads for 24 FMAs), and on CPUs that load one 256-bit vector per cycle (Zen 1) the loads,
-// not the FMAs, set the pace (~1.7 against ~2.0 G FMA/s per core, 5 rows, weights in L2). Summed
-// in the same order whatever R is.
+// the 3 rows of x and one weight vector in registers, each vector loaded once (jspec_cpu::pin):
+// 7 loads for 12 FMAs (~2.0 G FMA/s per core on Zen 1 at 5 rows, weights in L2; 1.7 when GCC
+// folded the loads into the FMAs). Summed in the same order whatever R is.
 template <int R, int C>
 void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
           int64_t step, int64_t jstride) {
@@ -124,12 +122,12 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           xv[i] = _mm256_loadu_ps(xm + i * K + k + h);
-          asm("" : "+x"(xv[i]));  // kept in a register: GCC would otherwise fold a load into every FMA
+          jspec_cpu::pin(xv[i]);
         }
 #pragma GCC unroll 4
         for (int j = 0; j < C; ++j) {
           __m256 wv = _mm256_loadu_ps(wk + j * jstride + h);
-          asm("" : "+x"(wv));
+          jspec_cpu::pin(wv);
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
         }
@@ -138,12 +136,12 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
 #pragma GCC unroll 4
         for (int j = 0; j < C; ++j) {
           wv[j] = _mm256_loadu_ps(wk + j * jstride + h);
-          asm("" : "+x"(wv[j]));
+          jspec_cpu::pin(wv[j]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           __m256 xv = _mm256_loadu_ps(xm + i * K + k + h);
-          asm("" : "+x"(xv));
+          jspec_cpu::pin(xv);
 #pragma GCC unroll 4
           for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
         }

@@ -78,8 +78,8 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
 @pytest.mark.parametrize("text,fragment", [
     ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
     ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
-    ("eagle:x:3+history", "only ngram and hybrid"), ("ngram:3+fast", "suffixes are"),
-    ("ngram:3+dynamic+dynamic", "each once"),
+    ("eagle:x:3+history", "only ngram and hybrid"), ("ngram:3+fast", "K must be an integer"),
+    ("ngram:3+dynamic+dynamic", "twice"), ("ar+dynamic", "unknown method"),
 ])
 def test_bad_methods_are_refused(text, fragment):
     with pytest.raises(jspec.ConfigError, match=fragment):
@@ -94,6 +94,7 @@ def test_dynamic_and_history_suffixes():
     assert m.spec.num_speculative_tokens == 3 and m.name.endswith("k=3 +history +dynamic")
     assert not bench.parse_method("ngram:4").spec.dynamic_k
     assert bench.parse_method("layerskip:10:2+dynamic").spec.dynamic_k
+    assert bench.parse_method("eagle:/tmp/a+b:2+dynamic").spec.draft == "/tmp/a+b"  # only known suffixes come off
 
 
 def test_draft_names_keep_colons_and_default_k():

@@ -91,27 +91,29 @@ def parse_method(text: str) -> Method:
 
     if kind == "ar" and not rest:
         return Method("jspec ar", SpecConfig())
-    rest, *suffixes = rest.split("+")
-    for suffix in suffixes:
-        if suffix not in ("history", "dynamic") or suffixes.count(suffix) > 1:
-            raise ConfigError(f"method {text!r}: suffixes are +history and +dynamic, each once, got +{suffix}")
+    suffixes = []  # taken off the end only: a checkpoint path may hold a "+"
+    while (suffix := next((s for s in ("history", "dynamic") if rest.endswith("+" + s)), None)):
+        if suffix in suffixes:
+            raise ConfigError(f"method {text!r}: +{suffix} twice")
+        suffixes.insert(0, suffix)
+        rest = rest[:-len(suffix) - 1]
     if "history" in suffixes and kind not in ("ngram", "hybrid"):
         raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
     if "dynamic" in suffixes and kind not in ("ngram", "layerskip", *CHECKPOINT_METHODS):
         raise ConfigError(f"method {text!r}: +dynamic is for speculative methods")
-    history = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
-    history |= {"dynamic_k": True} if "dynamic" in suffixes else {}
+    extra = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
+    extra |= {"dynamic_k": True} if "dynamic" in suffixes else {}
     tag = "".join(f" +{s}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
-        return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **history))
+        return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **extra))
     if kind == "layerskip":
         layers, _, ks = rest.partition(":")
         if not layers.isdigit():
             raise ConfigError(f"method {text!r}: layerskip:L[:K] needs an integer L")
         k = k_of(ks)
         return Method(f"jspec layerskip L={layers} k={k}{tag}",
-                      SpecConfig("layerskip", k, layerskip_layers=int(layers), **history))
+                      SpecConfig("layerskip", k, layerskip_layers=int(layers), **extra))
     if kind in CHECKPOINT_METHODS:
         name, sep, ks = rest.rpartition(":")
         if not sep or not ks.isdigit():  # no K given: the whole rest is the name
@@ -120,7 +122,7 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: {kind}:NAME[:K] needs a checkpoint name or path")
         k = k_of(ks)
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}{tag}",
-                      SpecConfig(kind, k, draft=name, **history))
+                      SpecConfig(kind, k, draft=name, **extra))
     raise ConfigError(f"unknown method {text!r} (ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, "
                       "hybrid:NAME:K[+history]; any speculative one +dynamic)")
 
