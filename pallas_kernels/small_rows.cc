@@ -42,11 +42,12 @@ using jspec_cpu::v16;
 namespace {
 
 constexpr int kPackRows = 4;         // weight rows interleaved by the packed layout
-constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
 #ifndef JSPEC_AVX2_TILES
+constexpr int kMaxRowsPlain = 8;     // rows of x per tile, plain layout (8 accumulators)
 constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4 accumulators)
-#else  // 16 registers of 8 floats: 3 x 4 accumulators, 4 weight halves, one row of x
-constexpr int kMaxRowsPacked = 3;
+#else  // 16 registers of 8 floats, the rows of x held: R x C accumulators + R rows + 1 weight vector
+constexpr int kMaxRowsPlain = 7;     // 7 + 7 + 1
+constexpr int kMaxRowsPacked = 3;    // 12 + 3 + 1
 #endif
 constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
 // Each step asks for the weight's cache lines 8 KB ahead into L2 (prefetcht1): with several rows
@@ -97,10 +98,11 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
 // AVX2 + FMA (16 vector registers of 8 floats): the same tiles in intrinsics, each 16-float
 // vector of a weight row read as two halves that add into one 8-lane accumulator per output
 // (the v16 code above, on these CPUs, kept its accumulators in memory: GCC spilled the 2 x 20
-// halves and split every load). R <= 3 rows of x against C <= 4 weight rows: 12 accumulators,
-// the 3 rows of x and one weight vector in registers, each vector loaded once (jspec_cpu::pin):
-// 7 loads for 12 FMAs (~2.0 G FMA/s per core on Zen 1 at 5 rows, weights in L2; 1.7 when GCC
-// folded the loads into the FMAs). Summed in the same order whatever R is.
+// halves and split every load). R <= 3 rows of x against C = 4 weight rows (or R <= 7 against
+// C = 1): 12 accumulators, the 3 rows of x and one weight vector in registers, each vector
+// loaded once (jspec_cpu::pin): 7 loads for 12 FMAs (~2.0 G FMA/s per core on Zen 1 at 5 rows,
+// weights in L2; 1.7 when GCC folded the loads into the FMAs). Summed in the same order
+// whatever R is.
 template <int R, int C>
 void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
           int64_t step, int64_t jstride) {
@@ -117,34 +119,18 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
     for (int j = 0; j < C; ++j) _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchFloats + j * jstride), _MM_HINT_T1);
 #pragma GCC unroll 2
     for (int h = 0; h < kLanes; h += 8) {
-      if constexpr (R <= C) {  // the R rows of x held in registers, each weight vector loaded once
-        __m256 xv[R];
+      __m256 xv[R];
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-          xv[i] = _mm256_loadu_ps(xm + i * K + k + h);
-          jspec_cpu::pin(xv[i]);
-        }
+      for (int i = 0; i < R; ++i) {
+        xv[i] = _mm256_loadu_ps(xm + i * K + k + h);
+        jspec_cpu::pin(xv[i]);
+      }
 #pragma GCC unroll 4
-        for (int j = 0; j < C; ++j) {
-          __m256 wv = _mm256_loadu_ps(wk + j * jstride + h);
-          jspec_cpu::pin(wv);
+      for (int j = 0; j < C; ++j) {
+        __m256 wv = _mm256_loadu_ps(wk + j * jstride + h);
+        jspec_cpu::pin(wv);
 #pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-        }
-      } else {  // the C weight vectors held, each row of x loaded once
-        __m256 wv[C];
-#pragma GCC unroll 4
-        for (int j = 0; j < C; ++j) {
-          wv[j] = _mm256_loadu_ps(wk + j * jstride + h);
-          jspec_cpu::pin(wv[j]);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-          __m256 xv = _mm256_loadu_ps(xm + i * K + k + h);
-          jspec_cpu::pin(xv);
-#pragma GCC unroll 4
-          for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+        for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
   }
