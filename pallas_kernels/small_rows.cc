@@ -67,21 +67,27 @@ template <int R, int C>
 void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n,
           int64_t step, int64_t jstride) {
   v16 acc[R][C];
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < C; ++j) acc[i][j] = v16{};
   int64_t k = 0;
   const float* wk = wt;
   for (; k + kLanes <= K; k += kLanes, wk += step) {
     v16 xv[R];
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       xv[i] = load(x + (m + i) * K + k);
 #if defined(__AVX512F__)
       asm("" : "+v"(xv[i]));  // held in a register: GCC would otherwise re-load it in every FMA
 #endif
     }
+#pragma GCC unroll 4
     for (int j = 0; j < C; ++j) __builtin_prefetch(wk + kPrefetchFloats + j * jstride, 0, 2);
+#pragma GCC unroll 4
     for (int j = 0; j < C; ++j) {
       const v16 wv = load(wk + j * jstride);
+#pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;
     }
   }
