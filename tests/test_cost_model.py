@@ -2,7 +2,7 @@
 
 import pytest
 
-from jspec.engine.cost import CostModel
+from jspec.engine.cost import AcceptancePrior, CostModel
 
 # Step times like the 2-core CPU's at 16 rows (BENCHMARKS.md, engine, batch 16).
 STEP_SECONDS = {0: 0.132, 1: 0.210, 2: 0.267, 4: 0.293}
@@ -114,3 +114,57 @@ def test_positions_never_run_are_not_counted_as_rejected():
     assert e4 == pytest.approx(1 + (158 / 208) * (p1 + p2 + p2 * ratio + p2 * ratio ** 2))
     # where position 3 did run and was always rejected, k = 4 loses again
     assert cost.choose([(4, 150, 400, drafted, 200, per_pos, [150, 150, 150, 150])]) == 2
+
+
+def batch_one(prior=None) -> CostModel:
+    times = {0: 0.0229, 1: 0.0234, 2: 0.0243, 4: 0.0280}  # batch 1: k = 4 a little dearer than k = 2
+    cost = CostModel((0, 1, 2, 4), prior=prior)
+    for k, t in times.items():
+        cost.observe(k, steps=10, seconds=10 * t)
+    return cost
+
+
+FRESH = (4, 0, 0, 0, 0, [0, 0, 0, 0], [0, 0, 0, 0])  # a request that has not run a step yet
+
+
+def test_a_new_request_starts_from_what_earlier_requests_accepted():
+    """At batch 1 a request's first burst is chosen before it has accepted anything: on the fixed
+    prior a0^j, n-gram on code (drafts that match go on matching) got k = 2; the pooled ratios of
+    the requests before it say k = 4. Requests that never accepted a draft turn it off."""
+    assert batch_one().choose([FRESH]) == 2
+    code = AcceptancePrior()
+    for _ in range(3):  # accepted on 60%, 46%, 44%, 42% of the drafted steps (fixed k = 4)
+        code.learn([60, 46, 44, 42], [100] * 4, drafted_steps=100, steps=110)
+    cost = batch_one(code)
+    assert cost.choose([FRESH]) == 4
+    ratios = code.ratios(4, 0.5, 8.0)
+    d = 1 + 0.9 + 0.81  # each request learned scales the pool by decay = 0.9 first
+    assert ratios[0] == pytest.approx((60 * d + 8 * 0.5) / (100 * d + 8))  # pooled, pulled towards a0
+    assert ratios[1] < ratios[2] < 1.0
+    # a fresh request: the pooled share of steps with a proposal (100 / 110), the pooled P_j
+    assert cost.expected_tokens(4, *FRESH[1:]) == pytest.approx(1 + (100 / 110) * sum(np_cumprod(ratios)))
+    prose = AcceptancePrior()
+    for _ in range(3):
+        prose.learn([0, 0, 0, 0], [100] * 4, drafted_steps=100, steps=110)
+    assert batch_one(prose).choose([FRESH]) == 0
+
+
+def np_cumprod(xs):
+    out, p = [], 1.0
+    for x in xs:
+        p *= x
+        out.append(p)
+    return out
+
+
+def test_the_prior_forgets_and_leaves_unseen_positions_to_the_request():
+    prior = AcceptancePrior(decay=0.5)
+    prior.learn([10, 0], [10, 10], drafted_steps=10, steps=10)
+    prior.learn([0, 0], [10, 10], drafted_steps=5, steps=10)
+    assert prior.accepted == [5.0, 0.0] and prior.eligible == [15.0, 15.0]
+    assert prior.proposal_share() == pytest.approx(10 / 15)
+    assert prior.ratios(4, 0.5, 8.0)[2:] == [None, None]  # never eligible: the request's own ratio goes on
+    # a request with its own counts at the positions it ran: the pool fills only the rest
+    row = (4, 150, 250, 150, 200, [90, 60, 0, 0], [150, 150, 0, 0])
+    alone, pooled = batch_one(), batch_one(prior)
+    assert pooled.expected_tokens(4, *row[1:]) == pytest.approx(alone.expected_tokens(4, *row[1:]), rel=0.05)

@@ -309,6 +309,10 @@ def test_dynamic_k_is_lossless_and_measures_each_k(target):
     # each bucket times each k on its own; the bucket that ran most has timed every k
     most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
     assert all(t is not None for t in engine.costs[most].step_seconds.values()), engine.stats.bursts_by_slots
+    # what the finished requests accepted is the prior of every bucket's estimates
+    prior = engine.acceptance
+    assert all(c.prior is prior for c in engine.costs.values())
+    assert prior.steps > 0 and sum(prior.eligible) > 0 and 0 < sum(prior.accepted) <= sum(prior.eligible)
 
 
 def test_calibration_times_every_k_at_every_bucket_and_leaves_nothing(target):
@@ -514,3 +518,15 @@ def test_lookup_history_drafts_from_finished_requests(target):
     assert compiles == []
     history = np.asarray(engine.runner.drafter_params["history"])
     assert history[-len(prompt) - 24 - 1:].tolist() == [-1] + prompt + list(want)
+
+
+def test_generate_bursts_are_short_with_dynamic_k(target):
+    """generate() runs a request to its end in one burst, except with dynamic k: the host chooses
+    k between bursts from the acceptance so far, so bursts of DYNAMIC_K_BURST_STEPS."""
+    from jspec.engine.generate import DYNAMIC_K_BURST_STEPS, engine_config
+
+    ids = [[1, 2, 3]]
+    assert engine_config(target, ids, SamplingParams(max_tokens=100), 4).max_burst_steps == 101
+    assert engine_config(target, ids, SamplingParams(max_tokens=100), 4, dynamic_k=True).max_burst_steps == \
+        DYNAMIC_K_BURST_STEPS
+    assert engine_config(target, ids, SamplingParams(max_tokens=5), 4, dynamic_k=True).max_burst_steps == 6

@@ -163,9 +163,11 @@ class EngineRunner:
                  sampling: Optional[SamplingParams] = None):
         self.sampling = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
         config = engine_config(model, ids, self.sampling, spec.num_speculative_tokens, attention=attention,
-                               max_num_seqs=1)
+                               max_num_seqs=1, dynamic_k=spec.dynamic_k)
         self.engine = LLMEngine(model, config, spec)
         self.max_tokens = max_tokens
+        if spec.dynamic_k:  # as `jspec serve` does: every candidate k compiled and timed before any prompt
+            self.engine.warmup()
 
     def __call__(self, ids: list[int], max_tokens: int) -> Run:
         if max_tokens > self.max_tokens:

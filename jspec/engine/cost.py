@@ -24,6 +24,14 @@ used when the per-position counts are not given) over-rates large k, and did (BE
 dynamic k at batch 16 kept k = 4 at 0.69x AR). The burst
 runs at the k with the most expected tokens per second, sum_b E_b(min(k, cap_b)) / t(k); k = 0
 (no speculation) is a candidate, so speculation turns itself off when it stops paying.
+What the requests before it accepted is a new request's prior (:class:`AcceptancePrior`, shared
+by the engine's cost models, fed by each finished request): the position-1 rate and each next
+position's ratio P_j / P_(j-1) pooled over recent requests (then a0 and the request's own last
+ratio where nothing has run at a position yet), and the pooled share of steps with a proposal for
+r_b. Without it a request's first bursts ran on the fixed prior a0^j, which at batch 1 is most of
+a request (a 128-token request runs in a few bursts): on code, where n-gram drafts that match go
+on matching (P_3 / P_2 ~ 0.95), dynamic k then kept k = 2 and ran at 1.63x AR where fixed k = 4
+ran at 1.83x (BENCHMARKS.md, twentieth session).
 Candidates never measured are tried once first. A measured candidate is timed again after
 ``refresh_every`` choices without it (times drift with context length and load), but only while
 its estimated rate is within ``refresh_margin`` of the best one's: re-timing a k that cannot win
@@ -37,11 +45,59 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 
+class AcceptancePrior:
+    """Acceptance pooled over finished requests: per draft position the accepted and eligible
+    counts, and the steps with a proposal among all steps. Each request learned first scales what
+    was there by ``decay``, so the prior follows the recent workload (~1 / (1 - decay) requests)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.accepted: list[float] = []
+        self.eligible: list[float] = []
+        self.drafted_steps = 0.0
+        self.steps = 0.0
+
+    def learn(self, accepted_per_pos: Sequence[int], eligible_per_pos: Sequence[int], drafted_steps: int,
+              steps: int) -> None:
+        if steps <= 0:
+            return
+        n = max(len(accepted_per_pos), len(eligible_per_pos), len(self.accepted))
+        for counts in (self.accepted, self.eligible):
+            counts.extend([0.0] * (n - len(counts)))
+            counts[:] = [c * self.decay for c in counts]
+        for j in range(n):
+            self.accepted[j] += accepted_per_pos[j] if j < len(accepted_per_pos) else 0
+            self.eligible[j] += eligible_per_pos[j] if j < len(eligible_per_pos) else 0
+        self.drafted_steps = self.drafted_steps * self.decay + drafted_steps
+        self.steps = self.steps * self.decay + steps
+
+    def proposal_share(self) -> float:
+        """Share of steps with a proposal (1.0 before any request)."""
+        return self.drafted_steps / self.steps if self.steps > 0 else 1.0
+
+    def ratios(self, k: int, a0: float, weight: float) -> list[Optional[float]]:
+        """Per position j = 1..k the pooled P_j / P_(j-1) (P_0 = 1), each estimate pulled towards
+        the previous one's ratio (a0 for the first) with ``weight`` steps; None where no pooled
+        step could have proposed draft j."""
+        out: list[Optional[float]] = []
+        p_prev, ratio = 1.0, a0
+        for j in range(k):
+            seen = self.eligible[j] if j < len(self.eligible) else 0.0
+            if seen <= 0:
+                out.append(None)
+                continue
+            p = min((self.accepted[j] + weight * p_prev * ratio) / (seen + weight), p_prev)
+            ratio, p_prev = (p / p_prev if p_prev > 0 else 0.0), p
+            out.append(ratio)
+        return out
+
+
 class CostModel:
     def __init__(self, candidates: Iterable[int], prior_acceptance: float = 0.5, prior_weight: float = 8.0,
                  smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15,
-                 smoothing_steps: int = 8):
+                 smoothing_steps: int = 8, prior: Optional[AcceptancePrior] = None):
         self.candidates = tuple(sorted(set(candidates)))
+        self.prior = prior  # pooled over finished requests (the engine's, shared by its buckets)
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.smoothing = smoothing
@@ -74,13 +130,17 @@ class CostModel:
         if k == 0:
             return 1.0
         w, a0 = self.prior_weight, self.prior_acceptance
-        r = (drafted_steps + w) / (steps + w)
+        pooled = self.prior is not None and self.prior.steps > 0
+        r = (drafted_steps + w * (self.prior.proposal_share() if pooled else 1.0)) / (steps + w)
         if accepted_per_pos is not None and eligible_per_pos is not None:
             total, p_prev, ratio = 0.0, 1.0, a0
+            pool = self.prior.ratios(k, a0, w) if pooled else [None] * k
             for j in range(k):
                 acc = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
                 seen = eligible_per_pos[j] if j < len(eligible_per_pos) else 0
-                p = min((acc + w * p_prev * ratio) / (seen + w), p_prev)  # prior: the last ratio goes on
+                # prior: the pooled ratio at this position, else the last ratio goes on
+                ratio = ratio if pool[j] is None else pool[j]
+                p = min((acc + w * p_prev * ratio) / (seen + w), p_prev)
                 ratio, p_prev = (p / p_prev if p_prev > 0 else 0.0), p
                 total += p
             return 1.0 + r * total

@@ -34,7 +34,7 @@ from jspec import parallel
 from jspec.cache import PageAllocator
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine import sharded
-from jspec.engine.cost import CostModel
+from jspec.engine.cost import AcceptancePrior, CostModel
 from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_update
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
@@ -157,8 +157,10 @@ class LLMEngine:
             if k > 0:
                 self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
         self.buckets = slot_buckets(b)
-        # a step's time depends on the rows it runs, so each bucket keeps its own measurements
-        self.costs = {n: CostModel(candidates) for n in self.buckets}
+        # a step's time depends on the rows it runs, so each bucket keeps its own measurements;
+        # what finished requests accepted is the prior of every bucket's estimates
+        self.acceptance = AcceptancePrior()
+        self.costs = {n: CostModel(candidates, prior=self.acceptance) for n in self.buckets}
         self.calibration_drafted: dict[int, dict[int, float]] = {}  # filled by calibrate()
         self._cost_bucket = self.buckets[-1]
         # The step that carries prefill chunks: with a fixed k the same speculative step as every
@@ -245,7 +247,7 @@ class LLMEngine:
         self.scheduler.abort(r)
         r.finish_reason = "abort"
         r.metrics.finished_time = time.perf_counter()
-        self.stats.finished(r)
+        self._finished(r)
         return r.to_output()
 
     def has_unfinished_requests(self) -> bool:
@@ -386,7 +388,7 @@ class LLMEngine:
                     self.scheduler.finish(r, device_running=False)
                 if r.status is Status.FINISHED:
                     r.metrics.finished_time = now
-                    self.stats.finished(r)
+                    self._finished(r)
                     texts.append(r.prompt_ids + r.output_ids)
                 outputs.append(r.to_output())
         if texts and getattr(self.drafter, "history", 0):
@@ -410,6 +412,11 @@ class LLMEngine:
         m.num_accepted_tokens_per_pos = [base.num_accepted_tokens_per_pos[j] + int(snap.accepted[slot, j])
                                          for j in range(k)]
         m.num_draft_tokens_per_pos = [base.num_draft_tokens_per_pos[j] + int(snap.proposed[slot, j]) for j in range(k)]
+
+    def _finished(self, r: Request) -> None:
+        self.stats.finished(r)
+        m = r.metrics
+        self.acceptance.learn(m.num_accepted_tokens_per_pos, r.eligible_per_pos, m.num_drafts, m.num_steps)
 
     def _count_eligible(self, r: Request, drafted: int, k: int) -> None:
         """``drafted`` steps with a proposal ran at ``k``: each could have proposed drafts 1..k."""

@@ -101,17 +101,25 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
                               f"the model's context of {context} tokens")
     k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
     config = engine_config(model, ids, sampling, k, cache_config, attention, tensor_parallel_size,
-                           stream_interval if on_tokens is not None else None)
+                           stream_interval if on_tokens is not None else None, dynamic_k=spec.dynamic_k)
     engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
     return run_requests(engine, ids, sampling, seeds, on_tokens)
 
 
+# With dynamic k the host picks k between bursts from the acceptance seen so far: a burst to the end
+# of the budget chose one k per request from the prior alone (BENCHMARKS.md, twentieth session).
+DYNAMIC_K_BURST_STEPS = 16
+
+
 def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: int,
                   cache_config: CacheConfig = CacheConfig(), attention: str = "auto", tensor_parallel_size: int = 1,
-                  stream_interval: Optional[int] = None, max_num_seqs: Optional[int] = None) -> EngineConfig:
+                  stream_interval: Optional[int] = None, max_num_seqs: Optional[int] = None,
+                  dynamic_k: bool = False) -> EngineConfig:
     """The engine :func:`generate` builds for ``ids`` (one slot per prompt unless
     ``max_num_seqs``): shapes rounded up to ``SHAPE_QUANTUM`` tokens, pages for every slot at full
-    length, bursts to the end of the budget (or of ``stream_interval`` steps)."""
+    length, bursts to the end of the budget (or of ``stream_interval`` steps; with ``dynamic_k``
+    of at most ``DYNAMIC_K_BURST_STEPS``, so that k is chosen again as the requests' acceptance
+    comes in, not once per request)."""
     b = max_num_seqs or len(ids)
     context = model.config.max_position_embeddings
     max_model_len = min(_round_up(max(len(p) for p in ids) + sampling.max_tokens, SHAPE_QUANTUM), context)
@@ -120,7 +128,9 @@ def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: 
     ps = cache_config.page_size
     return EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
                         kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
-                        max_burst_steps=stream_interval if stream_interval is not None else sampling.max_tokens + 1,
+                        max_burst_steps=(stream_interval if stream_interval is not None else
+                                         min(sampling.max_tokens + 1, DYNAMIC_K_BURST_STEPS) if dynamic_k else
+                                         sampling.max_tokens + 1),
                         attention=attention, shuffle_pages=cache_config.shuffle_pages,
                         seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size)
 
