@@ -263,6 +263,10 @@ class SpecConfig:
     layerskip_layers: int = 0  # layer-skip: how many of the target's first layers draft
     draft: Optional[str] = None  # draft / eagle / hybrid: name or path of the draft checkpoint
     dynamic_k: bool = False  # the engine picks k per burst (0 .. num_speculative_tokens) by measured cost
+    # hybrid: the EAGLE head drafts at most this many tokens where lookup finds no match (None: k);
+    # lookup matches still propose up to k. The head's chain costs a head forward per draft, and
+    # on text it drafts poorly (prose) its later drafts rarely pay for themselves
+    head_tokens: Optional[int] = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -276,6 +280,11 @@ class SpecConfig:
             raise ConfigError(f"draft must be a name or path (str), got {self.draft!r}")
         if self.ngram_history and self.method not in ("ngram", "hybrid"):
             raise ConfigError(f"ngram_history applies to spec methods 'ngram' and 'hybrid', not {self.method!r}")
+        if self.head_tokens is not None:
+            if self.method != "hybrid":
+                raise ConfigError(f"head_tokens applies to spec method 'hybrid', not {self.method!r}")
+            if not _is_int(self.head_tokens) or not 1 <= self.head_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise ConfigError(f"head_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.head_tokens!r}")
         if self.ngram_history > MAX_NGRAM_HISTORY:
             raise ConfigError(f"ngram_history must be <= {MAX_NGRAM_HISTORY} tokens, got {self.ngram_history}")
         if self.method == "none":
@@ -305,7 +314,8 @@ class SpecConfig:
         layerskip, draft_model, eagle; and jspec's hybrid: n-gram lookup, else the EAGLE head
         ``model``), ``num_speculative_tokens``, ``model`` (draft path or shipped name),
         ``prompt_lookup_max`` / ``prompt_lookup_min`` (n-gram and hybrid), ``layers``
-        (layer-skip), ``dynamic_k``; and jspec's ``ngram_history`` (n-gram, hybrid)."""
+        (layer-skip), ``dynamic_k``; and jspec's ``ngram_history`` (n-gram, hybrid) and
+        ``head_tokens`` (hybrid)."""
         if d is None:
             return cls()
         if isinstance(d, SpecConfig):
@@ -313,7 +323,7 @@ class SpecConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
-                 "layers", "dynamic_k", "ngram_history"}
+                 "layers", "dynamic_k", "ngram_history", "head_tokens"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
@@ -330,7 +340,10 @@ class SpecConfig:
             kw["layerskip_layers"] = d["layers"]
         if "ngram_history" in d:
             kw["ngram_history"] = d["ngram_history"]
-        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers"):
+        if d.get("head_tokens") is not None:
+            kw["head_tokens"] = d["head_tokens"]
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers",
+                     "head_tokens"):
             if name in kw and not _is_int(kw[name]):
                 raise ConfigError(f"speculative_config: {name} must be an integer, got {kw[name]!r}")
         return cls(**kw)

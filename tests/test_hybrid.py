@@ -114,6 +114,31 @@ def test_propose_takes_lookup_drafts_where_there_is_a_match_and_the_heads_elsewh
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_head_k_caps_the_heads_drafts_not_the_lookups(target, head_params):
+    """``head_k``: a row without a match gets the head's first head_k drafts (a head of k =
+    head_k: its chain is that long), a row with one still gets up to k lookup drafts."""
+    cfg, k = target.config, 3
+    hybrid = HybridDrafter(k, EagleDrafter(k, cfg), n_max=3, n_min=1, head_k=1)
+    assert hybrid.head.k == 1 and dataclasses.replace(hybrid, k=2).head.k == 1
+    assert HybridDrafter(2, EagleDrafter(2, cfg), head_k=3).head.k == 2  # never more than k
+    head = EagleDrafter(1, cfg)
+    rows = [[5, 6, 7, 5, 6], [1, 2, 1], [1, 2, 3, 4]]
+    state = _state(cfg, rows, head, head_params, target.params, k)
+    sp = jspec.SamplingParams()
+    got = jax.jit(hybrid.propose, static_argnums=3)(head_params, target.params, state, sp)
+    ref = jax.jit(head.propose, static_argnums=3)(head_params, target.params, state, sp)
+    assert np.asarray(got.num_drafts).tolist() == [3, 2, 1]
+    assert got.drafts.shape == (3, k) and got.draft_logits.shape == (3, k, cfg.vocab_size)
+    assert np.asarray(got.drafts)[0].tolist() == [7, 5, 6]
+    np.testing.assert_array_equal(np.asarray(got.drafts)[2, :1], np.asarray(ref.drafts)[2])
+    np.testing.assert_array_equal(np.asarray(got.draft_logits)[2, :1], np.asarray(ref.draft_logits)[2])
+    with pytest.raises(ConfigError, match="head_tokens applies"):
+        SpecConfig("ngram", 4, head_tokens=1)
+    with pytest.raises(ConfigError, match="head_tokens must be"):
+        SpecConfig("hybrid", 4, draft="x", head_tokens=0)
+    assert SpecConfig.from_dict({"method": "hybrid", "model": "x", "head_tokens": 2}).head_tokens == 2
+
+
 @pytest.mark.parametrize("vocab", [12, 5000])  # the sorted path and the top-k candidate path
 def test_one_hot_logits_are_a_deterministic_drafters_q(vocab):
     drafts = jnp.asarray([[3, 0, 7], [11, 11, 2], [5, 1, 4], [9, 8, 6]], jnp.int32)
@@ -141,9 +166,10 @@ PROMPTS = [[5, 9, 3, 11, 2, 4, 8, 5, 9, 3, 11], [6, 7, 8, 9, 10, 6, 7, 8], [3, 1
 SP = jspec.SamplingParams(max_tokens=32, ignore_eos=True)
 
 
-def test_greedy_hybrid_equals_plain_greedy_and_uses_both_sources(target, head_params):
+@pytest.mark.parametrize("head_k", [None, 1])
+def test_greedy_hybrid_equals_plain_greedy_and_uses_both_sources(target, head_params, head_k):
     baseline = jspec.generate(target, PROMPTS, SP).token_ids
-    d = CountingHybrid(3, EagleDrafter(3, target.config), n_max=3, n_min=2)
+    d = CountingHybrid(3, EagleDrafter(3, target.config), n_max=3, n_min=2, head_k=head_k)
     _reset()
     out = jspec.generate(target, PROMPTS, SP, drafter=d, drafter_params=head_params)
     assert SOURCES["ngram"] > 0 and SOURCES["head"] > 0, SOURCES
@@ -166,9 +192,10 @@ def small():
     return tiny_model(tiny_config(vocab_size=12, num_layers=2), seed=1, scale=2.0)
 
 
-def test_sampled_hybrid_follows_the_target(small):
+@pytest.mark.parametrize("head_k", [None, 1])
+def test_sampled_hybrid_follows_the_target(small, head_k):
     exact = exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
-    d = CountingHybrid(2, EagleDrafter(2, small.config), n_max=3, n_min=2)
+    d = CountingHybrid(2, EagleDrafter(2, small.config), n_max=3, n_min=2, head_k=head_k)
     dp = eagle_params(small)
     _reset()
     counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, N, d, dp)

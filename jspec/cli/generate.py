@@ -43,6 +43,8 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
+    g.add_argument("--head-tokens", type=int, default=None, metavar="N",
+                   help="--spec hybrid: the head drafts at most N tokens where lookup finds no match (default: k)")
     g.add_argument("--ngram-history", type=int, default=0, metavar="TOKENS",
                    help="--spec ngram: also look up in the last TOKENS tokens of finished requests (default 0: off)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
@@ -125,6 +127,8 @@ def cmd_generate(args) -> int:
         spec = dataclasses.replace(spec, dynamic_k=True)
     if args.ngram_history:
         spec = dataclasses.replace(spec, ngram_history=args.ngram_history)  # checked by SpecConfig
+    if args.head_tokens is not None:
+        spec = dataclasses.replace(spec, head_tokens=args.head_tokens)  # checked by SpecConfig
     params = []
     for i, it in enumerate(items):
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -77,7 +78,8 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]``, the
-    speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``) -> a jspec Method."""
+    speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``; hybrid ``+headN``: the
+    head drafts at most N) -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:
@@ -92,17 +94,22 @@ def parse_method(text: str) -> Method:
     if kind == "ar" and not rest:
         return Method("jspec ar", SpecConfig())
     suffixes = []  # taken off the end only: a checkpoint path may hold a "+"
-    while (suffix := next((s for s in ("history", "dynamic") if rest.endswith("+" + s)), None)):
-        if suffix in suffixes:
-            raise ConfigError(f"method {text!r}: +{suffix} twice")
+    while (m := re.search(r"\+(history|dynamic|head\d+)$", rest)):
+        suffix = m.group(1)
+        if suffix.rstrip("0123456789") in (s.rstrip("0123456789") for s in suffixes):
+            raise ConfigError(f"method {text!r}: +{suffix.rstrip('0123456789')} twice")
         suffixes.insert(0, suffix)
-        rest = rest[:-len(suffix) - 1]
+        rest = rest[:m.start()]
     if "history" in suffixes and kind not in ("ngram", "hybrid"):
         raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
+    head = next((int(s[4:]) for s in suffixes if s.startswith("head")), None)
+    if head is not None and kind != "hybrid":
+        raise ConfigError(f"method {text!r}: only hybrid takes +headN")
     if "dynamic" in suffixes and kind not in ("ngram", "layerskip", *CHECKPOINT_METHODS):
         raise ConfigError(f"method {text!r}: +dynamic is for speculative methods")
     extra = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
     extra |= {"dynamic_k": True} if "dynamic" in suffixes else {}
+    extra |= {"head_tokens": head} if head is not None else {}
     tag = "".join(f" +{s}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
@@ -124,7 +131,7 @@ def parse_method(text: str) -> Method:
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}{tag}",
                       SpecConfig(kind, k, draft=name, **extra))
     raise ConfigError(f"unknown method {text!r} (ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, "
-                      "hybrid:NAME:K[+history]; any speculative one +dynamic)")
+                      "hybrid:NAME:K[+history][+headN]; any speculative one +dynamic)")
 
 
 def parse_methods(text: str) -> list[Method]:

@@ -28,6 +28,7 @@ forwards), as an EAGLE step does.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,12 @@ class HybridDrafter:
     n_max: int = 3  # n-gram lookup: longest suffix tried first ...
     n_min: int = 2  # ... down to this length
     history: int = 0  # the lookup's history (ngram.py); its "history" rides in the head's params dict
+    head_k: Optional[int] = None  # the head drafts at most this many tokens (None: k); the lookup up to k
 
-    def __post_init__(self):  # the head drafts the hybrid's k, also after dataclasses.replace(hybrid, k=...)
-        if self.head.k != self.k:  # (the engine makes one drafter per k it may run: dynamic k)
-            object.__setattr__(self, "head", dataclasses.replace(self.head, k=self.k))
+    def __post_init__(self):  # the head drafts min(head_k, k), also after dataclasses.replace(hybrid, k=...)
+        k = self.k if self.head_k is None else min(self.head_k, self.k)
+        if self.head.k != k:  # (the engine makes one drafter per k it may run: dynamic k)
+            object.__setattr__(self, "head", dataclasses.replace(self.head, k=k))
 
     @property
     def config(self) -> ModelConfig:
@@ -104,21 +107,27 @@ class HybridDrafter:
         def lookup_only(d):  # every running row has a match: the head only keeps in step
             return self.head.advance(drafter_params, target_params, state.replace(drafter=d)), (found.drafts, lookup_q)
 
+        hk = self.head.k
+
         def mixed(d):
             chain = self.head.propose(drafter_params, target_params, state.replace(drafter=d), sampling)
-            drafts = jnp.where(use[:, None], found.drafts, chain.drafts)  # [B, k]
-            logits = jnp.where(use[:, None, None], lookup_q, chain.draft_logits)  # [B, k, V]
+            # the head's hk drafts, then (past num_drafts: masked by acceptance) the lookup's columns
+            head_drafts = jnp.concatenate([chain.drafts, found.drafts[:, hk:]], axis=1)  # [B, k]
+            head_q = jnp.concatenate([chain.draft_logits, lookup_q[:, hk:]], axis=1)  # [B, k, V]
+            drafts = jnp.where(use[:, None], found.drafts, head_drafts)
+            logits = jnp.where(use[:, None, None], lookup_q, head_q)
             return chain.drafter_state, (drafts, logits)
 
         dstate, (drafts, logits) = cond_in_place(jnp.all(use | state.done), lookup_only, mixed, state.drafter)
-        num = jnp.where(use, found.num_drafts, self.k).astype(jnp.int32)  # [B]
+        num = jnp.where(use, found.num_drafts, hk).astype(jnp.int32)  # [B]
         return Proposal(drafts.astype(jnp.int32), logits, dstate, state.cache, num)
 
 
 def make_hybrid_drafter(spec, target, attention: str = "reference"):
     """(HybridDrafter, the head's params) from an EAGLE checkpoint and the spec's n-gram settings."""
     head, params = make_eagle_drafter(spec, target, attention)
-    drafter = HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min, spec.ngram_history)
+    drafter = HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min, spec.ngram_history,
+                            spec.head_tokens)
     if spec.ngram_history:
         params = {**params, **drafter.lookup.init_params()}
     return drafter, params
