@@ -59,6 +59,7 @@ def test_plain_prompts_file_and_text_output(model_dir, tmp_path):
     (["x", "--dynamic-k"], "--dynamic-k needs --spec"),
     (["x", "--ngram-history", "64"], "ngram_history applies to spec methods 'ngram' and 'hybrid'"),
     (["x", "--spec", "ngram", "--ngram-history", "-5"], "ngram_history must be a non-negative integer"),
+    (["x", "--spec", "ngram", "--head-tokens", "1"], "head_tokens applies to spec method 'hybrid'"),
 ])
 def test_bad_generate_options_exit_2(model_dir, args, fragment):
     code, out, err = _cli("generate", *args, "--model", model_dir)

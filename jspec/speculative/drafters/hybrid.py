@@ -1,8 +1,9 @@
 """Hybrid drafting: n-gram prompt lookup where the context has a match, the EAGLE head elsewhere.
 
 Per row and per step: if n-gram lookup (:mod:`.ngram`) finds an earlier occurrence of the
-context's suffix, its continuation is proposed (``num_drafts <= k``); otherwise the head's k
-drafts are. The choice is a function of the committed tokens only, never of a random draw, so
+context's suffix, its continuation is proposed (``num_drafts <= k``); otherwise the head's
+drafts are, k of them or ``head_k`` (``SpecConfig.head_tokens``) when that is smaller: on prose
+the head's drafts after the first are rarely accepted, and each costs a head forward. The choice is a function of the committed tokens only, never of a random draw, so
 each row's proposal is an ordinary drafter's proposal and verification stays lossless.
 
 - Draft distributions: head rows keep the head's logits; n-gram rows get logits that are 0 at
@@ -21,8 +22,8 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   parameters under "history").
 
 Cost: a step in which every running row has a match pays the lookup and one head forward (the
-entry ``observe`` needs); a step with any row without one pays the head's whole chain (k head
-forwards), as an EAGLE step does.
+entry ``observe`` needs); a step with any row without one pays the head's whole chain (k, or
+``head_k``, head forwards), as an EAGLE step does.
 """
 
 from __future__ import annotations
