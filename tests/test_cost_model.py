@@ -164,6 +164,8 @@ def test_the_prior_forgets_and_leaves_unseen_positions_to_the_request():
     assert prior.accepted == [5.0, 0.0] and prior.eligible == [15.0, 15.0]
     assert prior.proposal_share() == pytest.approx(10 / 15)
     assert prior.ratios(4, 0.5, 8.0)[2:] == [None, None]  # never eligible: the request's own ratio goes on
+    prior.learn([0, 0], [0, 0], drafted_steps=0, steps=0)  # a request run at k = 0 throughout: nothing learned
+    assert prior.accepted == [5.0, 0.0] and prior.proposal_share() == pytest.approx(10 / 15)
     # a request with its own counts at the positions it ran: the pool fills only the rest
     row = (4, 150, 250, 150, 200, [90, 60, 0, 0], [150, 150, 0, 0])
     alone, pooled = batch_one(), batch_one(prior)

@@ -313,6 +313,10 @@ def test_dynamic_k_is_lossless_and_measures_each_k(target):
     prior = engine.acceptance
     assert all(c.prior is prior for c in engine.costs.values())
     assert prior.steps > 0 and sum(prior.eligible) > 0 and 0 < sum(prior.accepted) <= sum(prior.eligible)
+    # it learns the proposal share over the steps that ran at k >= 1 only
+    done = list(reqs.values())
+    assert all(r.spec_steps <= r.metrics.num_steps for r in done) and sum(r.spec_steps for r in done) > 0
+    assert all(r.metrics.num_drafts <= r.spec_steps for r in done)
 
 
 def test_calibration_times_every_k_at_every_bucket_and_leaves_nothing(target):

@@ -47,7 +47,8 @@ from typing import Iterable, Optional, Sequence
 
 class AcceptancePrior:
     """Acceptance pooled over finished requests: per draft position the accepted and eligible
-    counts, and the steps with a proposal among all steps. Each request learned first scales what
+    counts, and the steps with a proposal among the steps that ran at a k >= 1 (the engine's
+    ``Request.spec_steps``: steps at k = 0 could not propose). Each request learned first scales what
     was there by ``decay``, so the prior follows the recent workload (~1 / (1 - decay) requests)."""
 
     def __init__(self, decay: float = 0.9):

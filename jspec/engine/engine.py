@@ -361,6 +361,7 @@ class LLMEngine:
         """``caps``: the k each slot's steps ran at in this burst."""
         now = t1
         outputs, texts = [], []
+        ran_k = self._prefill_k if plan.prefill is not None else plan.k  # the step that ran (plain: 0)
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
                 self.scheduler.prefilled(c.request, c.length)
@@ -369,9 +370,11 @@ class LLMEngine:
                 continue
             before = len(r.all_ids)
             new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
-            drafts_before = r.metrics.num_drafts
+            drafts_before, steps_before = r.metrics.num_drafts, r.metrics.num_steps
             self._update_counters(r, snap, slot)
             self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
+            if caps[slot] > 0 and ran_k > 0:
+                r.spec_steps += r.metrics.num_steps - steps_before
             if new:
                 if r.metrics.first_token_time is None:
                     r.metrics.first_token_time = now
@@ -416,7 +419,9 @@ class LLMEngine:
     def _finished(self, r: Request) -> None:
         self.stats.finished(r)
         m = r.metrics
-        self.acceptance.learn(m.num_accepted_tokens_per_pos, r.eligible_per_pos, m.num_drafts, m.num_steps)
+        # over the steps that could have drafted: a request run at k = 0 throughout teaches nothing
+        # (counted as steps without a proposal, dynamic k's choice of k = 0 would feed itself)
+        self.acceptance.learn(m.num_accepted_tokens_per_pos, r.eligible_per_pos, m.num_drafts, r.spec_steps)
 
     def _count_eligible(self, r: Request, drafted: int, k: int) -> None:
         """``drafted`` steps with a proposal ran at ``k``: each could have proposed drafts 1..k."""

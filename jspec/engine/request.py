@@ -109,6 +109,9 @@ class Request:
     # per draft position j, the drafted steps that ran at a k > j (could have proposed draft j):
     # the denominator of position j's acceptance in dynamic k's estimate (jspec.engine.cost)
     eligible_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # steps that ran at a k >= 1 (could have had a proposal): the denominator of the proposal share
+    # the engine's pooled prior learns (steps at k = 0 say nothing about it)
+    spec_steps: int = 0
 
     @property
     def all_ids(self) -> list[int]:
