@@ -94,15 +94,18 @@ def parse_method(text: str) -> Method:
     if kind == "ar" and not rest:
         return Method("jspec ar", SpecConfig())
     suffixes = []  # taken off the end only: a checkpoint path may hold a "+"
-    while (m := re.search(r"\+(history|dynamic|head\d+)$", rest)):
-        suffix = m.group(1)
-        if suffix.rstrip("0123456789") in (s.rstrip("0123456789") for s in suffixes):
-            raise ConfigError(f"method {text!r}: +{suffix.rstrip('0123456789')} twice")
+    head = None  # +headN's N
+    while (m := re.search(r"\+(history|dynamic|head)(\d*)$", rest)):
+        suffix, number = m.groups()
+        if suffix in suffixes:
+            raise ConfigError(f"method {text!r}: +{suffix} twice")
+        if (suffix == "head") != bool(number):
+            break  # +head without N, or a number after another suffix: part of the name
         suffixes.insert(0, suffix)
+        head = int(number) if number else head
         rest = rest[:m.start()]
     if "history" in suffixes and kind not in ("ngram", "hybrid"):
         raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
-    head = next((int(s[4:]) for s in suffixes if s.startswith("head")), None)
     if head is not None and kind != "hybrid":
         raise ConfigError(f"method {text!r}: only hybrid takes +headN")
     if "dynamic" in suffixes and kind not in ("ngram", "layerskip", *CHECKPOINT_METHODS):
@@ -110,7 +113,7 @@ def parse_method(text: str) -> Method:
     extra = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
     extra |= {"dynamic_k": True} if "dynamic" in suffixes else {}
     extra |= {"head_tokens": head} if head is not None else {}
-    tag = "".join(f" +{s}" for s in suffixes)
+    tag = "".join(f" +{s}{head if s == 'head' else ''}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
         return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **extra))

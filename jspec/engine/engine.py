@@ -305,7 +305,7 @@ class LLMEngine:
             return []
         slots = self._burst_slots() if plan.prefill is None else None
         t0 = time.perf_counter()
-        step = self._steps[self._prefill_k if plan.prefill is not None else plan.k]
+        step = self._steps[self._step_k(plan)]
         caps = self._spec_caps(plan.k)
         snap = self.runner.burst(step, self.scheduler.tables(), caps, self._segment(plan),
                                  plan.num_steps, plan.stop_on_finish, slots)
@@ -314,6 +314,10 @@ class LLMEngine:
         self.stats.bursts += 1
         self.stats.bursts_by_slots[bucket] += 1
         return self._collect(plan, snap, caps, t0, t1, bucket)
+
+    def _step_k(self, plan: Plan) -> int:
+        """The k of the step a burst runs: a burst carrying prefill chunks runs the prefill step."""
+        return self._prefill_k if plan.prefill is not None else plan.k
 
     def _burst_slots(self) -> np.ndarray:
         """The slots a decode burst runs on: the running ones, padded with idle slots (their
@@ -361,7 +365,7 @@ class LLMEngine:
         """``caps``: the k each slot's steps ran at in this burst."""
         now = t1
         outputs, texts = [], []
-        ran_k = self._prefill_k if plan.prefill is not None else plan.k  # the step that ran (plain: 0)
+        ran_k = self._step_k(plan)  # the step that ran (plain: 0)
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
                 self.scheduler.prefilled(c.request, c.length)

@@ -126,11 +126,12 @@ def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: 
     chunk = 1 << (max(cache_config.prefill_chunk, 16).bit_length() - 1)
     prefill_budget = max(chunk, min(16 * b, 4096))  # a big batch prefills many prompts per step
     ps = cache_config.page_size
+    burst = sampling.max_tokens + 1 if stream_interval is None else stream_interval
+    if dynamic_k and stream_interval is None:
+        burst = min(burst, DYNAMIC_K_BURST_STEPS)
     return EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
                         kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
-                        max_burst_steps=(stream_interval if stream_interval is not None else
-                                         min(sampling.max_tokens + 1, DYNAMIC_K_BURST_STEPS) if dynamic_k else
-                                         sampling.max_tokens + 1),
+                        max_burst_steps=burst,
                         attention=attention, shuffle_pages=cache_config.shuffle_pages,
                         seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size)
 
