@@ -264,3 +264,28 @@ def test_eagle3_mix_budget_and_held_out_card(target, tmp_path):
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     spec = jspec.SpecConfig("eagle", 3, draft=str(tmp_path / "e3"))
     assert jspec.generate(target, prompts, sp, spec=spec).token_ids == jspec.generate(target, prompts, sp).token_ids
+
+
+def test_general_requests_are_everyday_and_never_a_benchmark_prompt():
+    """The everyday chat requests (prose data for ``--chat`` users): distinct, the same for a
+    seed, all five kinds in any 100 of them, none of them a benchmark prompt, and counted in the
+    data mix."""
+    from pathlib import Path
+
+    from jspec.train.data import general_requests
+
+    many = general_requests(1000, seed=0)
+    assert len(many) == len(set(many)) == 1000
+    assert general_requests(50, seed=1) == general_requests(50, seed=1) != general_requests(50, seed=2)
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "prose_prompts.jsonl"
+    held_out = {json.loads(line)["prompt"] for line in bench.read_text().splitlines() if line.strip()}
+    assert held_out and not held_out & set(many)
+    first = general_requests(100, seed=0)
+    kinds = {"story": ("story", "poem", "novel", "fable"), "letter": ("email", "letter", "message"),
+             "pair": (" over ", "difference between", "Compare"), "work": ("Hamlet", "Summarize", "characters",
+                                                                              "theme", "still read")}
+    for kind, words in kinds.items():
+        assert sum(any(w in r for w in words) for r in first) >= 10, kind
+    assert DistillConfig(arch="eagle3", prompts=0, general_prompts=4).mix.general_prompts == 4
+    with pytest.raises(jspec.ConfigError):
+        DistillConfig(arch="eagle3", prompts=0, general_prompts=-1)

@@ -15,6 +15,9 @@ def add_distill_parser(sub) -> None:
                    help="standard-library signature + docstring prompts the target continues")
     d.add_argument("--chat-prompts", type=int, default=0,
                    help="chat-template requests (write this function / explain this module) the target answers")
+    d.add_argument("--general-prompts", type=int, default=0,
+                   help="everyday chat-template requests (stories, explanations, comparisons, letters) the target "
+                        "answers")
     d.add_argument("--read-code-tokens", type=int, default=0,
                    help="tokens of standard-library source the target reads (teacher-forced, prefill speed)")
     d.add_argument("--read-prose-tokens", type=int, default=0,
@@ -66,12 +69,12 @@ def check_numbers(args) -> None:
         v = getattr(args, name)
         if not 1 <= v <= hi:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [1, {hi}], got {v}")
-    for name in ("prompts", "chat_prompts", "read_code_tokens", "read_prose_tokens"):
+    for name in ("prompts", "chat_prompts", "general_prompts", "read_code_tokens", "read_prose_tokens"):
         v = getattr(args, name)
         if not 0 <= v <= 1 << 30:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 2^30], got {v}")
-    if args.prompts + args.chat_prompts + args.read_code_tokens + args.read_prose_tokens == 0:
-        raise ConfigError("the data mix is empty: give --prompts, --chat-prompts or --read-*-tokens")
+    if args.prompts + args.chat_prompts + args.general_prompts + args.read_code_tokens + args.read_prose_tokens == 0:
+        raise ConfigError("the data mix is empty: give --prompts, --chat-prompts, --general-prompts or --read-*-tokens")
     if args.window < 32:
         raise ConfigError(f"--window must be >= 32, got {args.window}")
     if args.budget_minutes is not None and not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
@@ -88,11 +91,11 @@ def check_numbers(args) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"--seed must be in [0, 2^63), got {args.seed}")
     if args.read_code_tokens + args.read_prose_tokens == 0:  # else the sequence count is known after reading
-        n = args.prompts + args.chat_prompts
+        n = args.prompts + args.chat_prompts + args.general_prompts
         train_prompts = len(split_validation(n, DistillConfig.validation_fraction, args.seed)[0])
         if args.batch_size > train_prompts:
             raise ConfigError(f"--batch-size {args.batch_size} exceeds the {train_prompts} training prompts "
-                              f"(--prompts + --chat-prompts {n}, less the held-out ones)")
+                              f"(--prompts + --chat-prompts + --general-prompts {n}, less the held-out ones)")
 
 
 def parse_layers(text):
@@ -122,6 +125,7 @@ def cmd_distill(args) -> int:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      checkpoint_every=args.checkpoint_every, weight_decay=args.weight_decay, seed=args.seed)
     dc = DistillConfig(arch=args.arch, prompts=args.prompts, chat_prompts=args.chat_prompts,
+                       general_prompts=args.general_prompts,
                        read_code_tokens=args.read_code_tokens, read_prose_tokens=args.read_prose_tokens,
                        window=args.window, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
                        draft_layers=args.draft_layers, ttt_depth=args.ttt_depth, feature_layers=args.feature_layers,

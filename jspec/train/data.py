@@ -103,6 +103,84 @@ def chat_requests(count: int, seed: int = 0, max_chars: int = 1200) -> list[str]
     return out[:count]
 
 
+# Everyday requests a user of ``--chat`` makes, built from task templates and subjects written for
+# this purpose (never a benchmark prompt: tests/test_train.py checks them against
+# benchmarks/prose_prompts.jsonl). The target's replies are the data, so what matters is that the
+# target answers in its general-assistant voice, on subjects that are not Python.
+_STORY_SUBJECTS = (
+    "a baker who opens a shop at midnight", "a dog that gets lost in a big city", "two friends on a long train ride",
+    "a girl who builds a robot from old radios", "a farmer during the first snow of winter",
+    "an astronaut returning home after a year", "a cat that rules a small fishing village",
+    "a boy who finds a map in his grandfather's attic", "a musician who loses her voice",
+    "a dragon that is afraid of fire", "a mail carrier on the last day before retirement",
+    "a family moving to a new country", "a detective who solves cases by smell", "a tree that has watched a town grow",
+    "a chef competing in a village fair", "a shy student giving a speech", "an old clock that stops at noon",
+    "a pilot lost in a storm", "a teacher's first day at a new school", "a fox and a crow who become friends",
+    "a city where it never stops raining", "a knight who would rather be a painter", "a lonely robot on Mars",
+    "a grandmother teaching her grandson to fish", "a runaway balloon", "a garden that grows overnight")
+_STORY_TASKS = ("Write a short story about {}.", "Tell me a bedtime story about {}.", "Write a poem about {}.",
+                "Write the opening paragraph of a novel about {}.", "Write a fable about {}, with a moral at the end.")
+_TOPICS = (
+    "photosynthesis", "the water cycle", "volcanoes", "earthquakes", "the seasons", "rainbows", "tides",
+    "the immune system", "vaccines", "how the heart pumps blood", "dreams", "memory", "gravity", "magnets",
+    "electricity in a home", "solar panels", "wind turbines", "nuclear power", "batteries", "the internet",
+    "email", "GPS navigation", "a refrigerator", "an airplane's wings", "a car engine", "a microwave oven",
+    "the stock market", "inflation", "interest rates", "supply and demand", "taxes", "insurance", "recycling",
+    "composting", "coral reefs", "rain forests", "deserts", "bees and pollination", "bird migration",
+    "black holes", "the Moon's phases", "eclipses", "comets", "the Big Bang", "evolution", "DNA", "bacteria",
+    "antibiotics", "sleep cycles", "exercise and the body", "nutrition labels", "coffee", "bread baking",
+    "fermentation", "democracy", "the United Nations", "the printing press", "the Roman Empire", "ancient Egypt",
+    "the Industrial Revolution", "the Renaissance", "the Silk Road", "the invention of the telephone",
+    "the first Moon landing", "the Cold War", "the Olympic Games", "jazz music", "impressionist painting",
+    "chess", "soccer", "meditation", "public speaking", "learning a language", "saving money", "job interviews",
+    "time management", "gardening", "camping", "running a marathon", "raising a puppy", "moving house",
+    "writing a resume", "negotiating a salary", "cooking rice", "learning to swim", "keeping houseplants alive")
+_TOPIC_TASKS = ("Explain {} in simple terms.", "How does {} work?", "Tell me about {}.",
+                "Give me three interesting facts about {}.", "What should a beginner know about {}?",
+                "Write a short paragraph about {} for a school newsletter.", "What are common myths about {}?",
+                "Give me five tips on {}, with a sentence on each.", "What are the pros and cons of {}?",
+                "Give a brief history of {}.", "Describe {} to someone who has never heard of it.")
+_PAIRS = (("a virus", "a bacterium"), ("a lake", "a sea"), ("a crocodile", "an alligator"), ("rugby", "soccer"),
+          ("a novel", "a short story"), ("a loan", "a gift"), ("a city", "a town"), ("tea", "coffee"),
+          ("renting", "buying a home"), ("a violin", "a cello"), ("a comet", "an asteroid"), ("speed", "velocity"),
+          ("a hurricane", "a tornado"), ("a monarchy", "a republic"), ("baking", "roasting"), ("a frog", "a toad"),
+          ("stocks", "bonds"), ("a debit card", "a credit card"), ("a poem", "a song"), ("a moth", "a butterfly"))
+_PAIR_TASKS = ("What is the difference between {} and {}?", "Compare {} and {} in a short paragraph.",
+               "When would someone choose {} over {}?")
+_WORKS = ("Hamlet", "Macbeth", "Pride and Prejudice", "Moby-Dick", "The Odyssey", "Frankenstein", "Don Quixote",
+          "A Christmas Carol", "Alice's Adventures in Wonderland", "Treasure Island", "The Time Machine",
+          "Jane Eyre", "Little Women", "Dracula", "Oliver Twist", "Robinson Crusoe", "Gulliver's Travels",
+          "The Iliad", "Cinderella", "The Wizard of Oz", "Peter Pan", "Great Expectations", "The Jungle Book")
+_WORK_TASKS = ("Summarize {} in a few sentences.", "Who are the main characters of {}?",
+               "What is the main theme of {}?", "Why is {} still read today?")
+_LETTERS = ("a landlord about a broken heater", "a neighbour about a noisy party", "a friend I have not seen in years",
+            "my manager asking for a day off", "a customer apologising for a late delivery",
+            "a teacher about my child's homework", "a hotel asking to change a booking",
+            "the city council about a dangerous crossing", "a colleague thanking her for her help",
+            "a company declining a job offer", "my team announcing a new project", "a shop asking for a refund")
+_LETTER_TASKS = ("Write an email to {}.", "Write a short, polite letter to {}.", "Draft a text message to {}.")
+
+
+def general_requests(count: int, seed: int = 0) -> list[str]:
+    """``count`` everyday chat requests (stories, explanations, comparisons, summaries of classic
+    books, letters): task templates filled with subjects, drawn evenly from the five kinds."""
+    rng = random.Random(seed)
+    kinds = [[t.format(s) for t in _STORY_TASKS for s in _STORY_SUBJECTS],
+             [t.format(s) for t in _TOPIC_TASKS for s in _TOPICS],
+             [t.format(a, b) for t in _PAIR_TASKS for a, b in _PAIRS],
+             [t.format(w) for t in _WORK_TASKS for w in _WORKS],
+             [t.format(x) for t in _LETTER_TASKS for x in _LETTERS]]
+    for k in kinds:
+        rng.shuffle(k)
+    out, i = [], 0
+    while len(out) < count and any(i < len(k) for k in kinds):
+        out += [k[i] for k in kinds if i < len(k)]
+        i += 1
+    out = out[:count]
+    rng.shuffle(out)
+    return out
+
+
 def code_documents(seed: int = 0) -> list[str]:
     """Whole standard-library source files (tests and IDLE left out), shuffled."""
     docs = [src for _, src, _ in _stdlib_files() if len(src) >= 200]
@@ -309,6 +387,7 @@ class DataMix:
 
     prompts: int = 256  # standard-library signature + docstring prompts, raw, with continuations
     chat_prompts: int = 0  # chat-template requests built from the standard library, with replies
+    general_prompts: int = 0  # everyday chat-template requests (stories, explanations, letters), with replies
     read_code_tokens: int = 0  # standard-library source, read
     read_prose_tokens: int = 0  # Python's help() topics and long docstrings, read
     window: int = 384  # tokens per read window
@@ -349,7 +428,9 @@ def build_data(target, mix: DataMix, layers: tuple[int, ...], path: Path, reuse:
     for name, count, chat, pick in (
             ("stdlib signature + docstring, raw, target continuation", mix.prompts, False, stdlib_prompts),
             ("chat request from the stdlib (write this function / explain this module or topic), target reply",
-             mix.chat_prompts, True, chat_requests)):
+             mix.chat_prompts, True, chat_requests),
+            ("everyday chat request (story, explanation, comparison, summary, letter), target reply",
+             mix.general_prompts, True, general_requests)):
         if not count:
             continue
         prompts = [p for p in pick(count * 2, seed=mix.seed) if fits(p, chat)][:count]

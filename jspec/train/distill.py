@@ -52,6 +52,7 @@ class DistillConfig:
     # the data mix (see jspec.train.data): sequences the target writes ...
     prompts: int = 256  # standard-library signature + docstring prompts, raw, with continuations
     chat_prompts: int = 0  # chat-template requests built from the standard library, with replies
+    general_prompts: int = 0  # everyday chat-template requests (stories, explanations, letters), with replies
     # ... and text it only reads (teacher-forced windows), in tokens
     read_code_tokens: int = 0  # standard-library source
     read_prose_tokens: int = 0  # Python's help() topics and long docstrings
@@ -71,9 +72,10 @@ class DistillConfig:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ConfigError(f"--arch must be one of {ARCHS}, got {self.arch!r}")
-        if min(self.prompts, self.chat_prompts, self.read_code_tokens, self.read_prose_tokens) < 0:
+        counts = (self.prompts, self.chat_prompts, self.general_prompts, self.read_code_tokens, self.read_prose_tokens)
+        if min(counts) < 0:
             raise ConfigError("prompts, chat prompts and read tokens must be >= 0")
-        if self.prompts + self.chat_prompts + self.read_code_tokens + self.read_prose_tokens < 1:
+        if sum(counts) < 1:
             raise ConfigError("the data mix is empty: give prompts, chat prompts or read tokens")
         if (self.max_new_tokens < 1 or self.draft_vocab < 1 or self.draft_layers < 1 or self.ttt_depth < 1
                 or self.window < 32 or self.eval_k < 1):
@@ -90,8 +92,10 @@ class DistillConfig:
 
     @property
     def mix(self) -> DataMix:
-        return DataMix(self.prompts, self.chat_prompts, self.read_code_tokens, self.read_prose_tokens, self.window,
-                       self.max_prompt_tokens, self.max_new_tokens, self.gen_batch_size, self.train.seed)
+        return DataMix(prompts=self.prompts, chat_prompts=self.chat_prompts, general_prompts=self.general_prompts,
+                       read_code_tokens=self.read_code_tokens, read_prose_tokens=self.read_prose_tokens,
+                       window=self.window, max_prompt_tokens=self.max_prompt_tokens,
+                       max_new_tokens=self.max_new_tokens, gen_batch_size=self.gen_batch_size, seed=self.train.seed)
 
     def layers_for(self, config) -> tuple[int, ...]:
         """The target layers the draft reads (() for EAGLE-1 and the small Llama)."""
