@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "small_rows.cc", HERE / "paged_attention_cpu.cc")
 HEADERS = (HERE / "cpu_common.h",)
-TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_paged_attention": "JspecPagedAttention"}
+TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_small_rows_fused": "JspecSmallRowsFused",
+           "jspec_paged_attention": "JspecPagedAttention"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

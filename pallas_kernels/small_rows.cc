@@ -26,7 +26,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu_common.h"  // JSPEC_AVX2_TILES: which tiles this build compiles
 #include "xla/ffi/api/ffi.h"
@@ -182,26 +184,80 @@ void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
   }
 }
 
-ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
+// y = x w^T over weight rows split into chunks between the threads; with r (rows of the same
+// shape as y) each chunk adds r to its outputs once they are summed (a residual connection).
+void product(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, const float* rp, int64_t M,
+             int64_t K, int64_t N, bool packed) {
+  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
+  jspec_cpu::parallel_for(pool, chunks, [&](int64_t c) {
+    const int64_t n0 = c * kChunkRows, n1 = std::min(N, (c + 1) * kChunkRows);
+    rows(xp, wp, yp, M, K, N, packed, n0, n1);
+    if (rp != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += rp[m * N + n];
+  });
+}
+
+// Checks x [M, K'] and w [N, K] or packed; sets M, K, N, packed.
+ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, int64_t& M, int64_t& K, int64_t& N,
+                  bool& packed) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  const bool packed = wd.size() == 4;
+  packed = wd.size() == 4;
   if (xd.size() != 2 || (wd.size() != 2 && !(packed && wd[2] == kPackRows && wd[3] == kLanes))) {
     return ffi::Error::InvalidArgument("small_rows: expected x [M, K] and w [N, K] or [N / 4, K / 16, 4, 16]");
   }
-  const int64_t M = xd[0], K = xd[1];
-  const int64_t N = packed ? wd[0] * kPackRows : wd[0];
-  if (K != (packed ? wd[1] * kLanes : wd[1])) {
-    return ffi::Error::InvalidArgument("small_rows: x and w disagree on K");
+  M = xd[0];
+  K = packed ? wd[1] * kLanes : wd[1];
+  N = packed ? wd[0] * kPackRows : wd[0];
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, N;
+  bool packed;
+  if (auto e = shapes(x, w, M, K, N, packed); e.failure()) return e;
+  if (x.dimensions()[1] != K) return ffi::Error::InvalidArgument("small_rows: x and w disagree on K");
+  product(pool, x.typed_data(), w.typed_data(), y->typed_data(), nullptr, M, K, N, packed);
+  return ffi::Error::Success();
+}
+
+// The product with the work around it in a decoder layer folded in (no XLA op of its own between
+// two products): x first through RMSNorm with gain `scale` [K0] (when scale is not empty), y then
+// plus `residual` [M, N] (when not empty). x [M, K0] may be narrower than the packed weight's K
+// (zero-padded here). The norm sums each row in one order whatever M is, like the product.
+ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                              ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
+                              ffi::ResultBuffer<ffi::F32> y, float eps) {
+  int64_t M, K, N;
+  bool packed;
+  if (auto e = shapes(x, w, M, K, N, packed); e.failure()) return e;
+  const int64_t K0 = x.dimensions()[1];
+  const bool norm = scale.element_count() > 0;
+  const bool add = residual.element_count() > 0;
+  if (K0 > K || (!packed && K0 != K) || (norm && scale.element_count() != K0) ||
+      (add && residual.element_count() != M * N)) {
+    return ffi::Error::InvalidArgument("small_rows_fused: x [M, K0], scale [K0] and residual [M, N] must fit w");
   }
+  std::vector<float> xs;
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
-  jspec_cpu::parallel_for(pool, chunks, [&](int64_t c) {
-    rows(xp, wp, yp, M, K, N, packed, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
-  });
+  if (norm || K0 != K) {
+    xs.assign(M * K, 0.f);
+    const float* g = scale.typed_data();
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = xp + m * K0;
+      float inv = 1.f;
+      if (norm) {
+        float ss = 0.f;
+        for (int64_t k = 0; k < K0; ++k) ss += row[k] * row[k];
+        inv = 1.f / std::sqrt(ss / static_cast<float>(K0) + eps);
+      }
+      for (int64_t k = 0; k < K0; ++k) xs[m * K + k] = norm ? g[k] * (row[k] * inv) : row[k];
+    }
+    xp = xs.data();
+  }
+  product(pool, xp, w.typed_data(), y->typed_data(), add ? residual.typed_data() : nullptr, M, K, N, packed);
   return ffi::Error::Success();
 }
 
@@ -213,3 +269,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRows, SmallRowsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K] or packed
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRowsFused, SmallRowsFusedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K] or packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [K0] or [0]: RMSNorm gain
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // residual [M, N] or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<float>("eps"));

@@ -17,12 +17,16 @@ reference's up to float rounding (another summation order). Its gradient is the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.cpu_kernels import available
 
 TARGET = "jspec_small_rows"
+FUSED_TARGET = "jspec_small_rows_fused"
 
 
 PACK_ROWS, LANES = 4, 16  # the packed layout: [N / 4, K / 16, 4, 16], see pack_rows
@@ -110,3 +114,71 @@ def small_rows_matmul(x: jax.Array, w: jax.Array, n: int | None = None) -> jax.A
     if w.ndim == 4:
         y = y[:, :n]
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """Llama's RMSNorm (jspec.models.llama.RMSNorm): ``scale * x / sqrt(mean(x^2) + eps)``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * xf.astype(x.dtype)
+
+
+def fused_small_rows_reference(x, w, n=None, *, scale=None, eps=1e-5, residual=None):
+    """:func:`fused_small_rows` in plain ``jnp``: ``rms_norm(x) @ w.T + residual``."""
+    if scale is not None:
+        x = rms_norm_reference(x, scale, eps)
+    y = small_rows_matmul_reference(x, w, n)
+    return y if residual is None else y + residual
+
+
+def _fused_kernel(x2, w, scale, residual, *, eps):
+    n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype)
+    return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(x2, w, scale, residual, eps=np.float32(eps))
+
+
+def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale: jax.Array | None = None,
+                     eps: float = 1e-5, residual: jax.Array | None = None) -> jax.Array:
+    """A decoder layer's product with its neighbours folded into the one kernel call: ``x``
+    [..., K] through RMSNorm with gain ``scale`` [K] (if given), times the weight rows ``w``
+    transposed (as :func:`small_rows_matmul`), plus ``residual`` [..., N] (if given). On the CPU
+    kernel (float32, built, a packed ``w`` whose row count is a multiple of 4) that saves XLA the
+    separate norm and add ops between two products; elsewhere, and for gradients,
+    :func:`fused_small_rows_reference`."""
+    check_small_rows_args(x, w, n)
+    true_n = n if w.ndim == 4 else w.shape[0]
+    if scale is not None and scale.shape != (x.shape[-1],):
+        raise ValueError(f"fused_small_rows: scale must be [{x.shape[-1]}], got shape {scale.shape}")
+    if residual is not None and residual.shape != (*x.shape[:-1], true_n):
+        raise ValueError(f"fused_small_rows: residual must be {(*x.shape[:-1], true_n)}, got shape {residual.shape}")
+    padded_n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    if x.dtype != jnp.float32 or not available() or padded_n != true_n:
+        return fused_small_rows_reference(x, w, n, scale=scale, eps=eps, residual=residual)
+    x2 = x.reshape(-1, x.shape[-1])
+    g = jnp.zeros((0,), x.dtype) if scale is None else scale.astype(x.dtype)
+    r = jnp.zeros((0,), x.dtype) if residual is None else residual.reshape(x2.shape[0], true_n)
+    y = _fused(x2, w, g, r, eps, scale is not None, residual is not None)
+    return y.reshape(*x.shape[:-1], true_n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(x2, w, g, r, eps, norm, add):
+    return jax.lax.platform_dependent(x2, w, g, r, cpu=functools.partial(_fused_kernel, eps=eps),
+                                      default=functools.partial(_fused_ref2, eps=eps, norm=norm, add=add))
+
+
+def _fused_ref2(x2, w, g, r, *, eps, norm, add):
+    n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    return fused_small_rows_reference(x2, w, n, scale=g if norm else None, eps=eps, residual=r if add else None)
+
+
+def _fused_fwd(x2, w, g, r, eps, norm, add):
+    return _fused(x2, w, g, r, eps, norm, add), (x2, w, g, r)
+
+
+def _fused_bwd(eps, norm, add, res, dy):
+    _, vjp = jax.vjp(functools.partial(_fused_ref2, eps=eps, norm=norm, add=add), *res)
+    return vjp(dy)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -118,3 +118,32 @@ def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
     assert packed.stats.num_drafts > 0 and packed.stats.num_accepted_tokens > 0  # the head drafted and was right
     assert (packed.stats.num_accepted_tokens, packed.stats.num_drafts) == (plain.stats.num_accepted_tokens,
                                                                            plain.stats.num_drafts)
+
+
+def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on):
+    """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
+    residual adds inside the projections' kernel calls (pallas_kernels.small_rows.fused_small_rows):
+    the lowered step has 4 fused calls per layer and no plain ones, and its logits, hidden states
+    and cache equal the plain parameters' up to float rounding. A step of more rows does not fold."""
+    from jspec.models.llama import forward
+    from jspec.train.objectives import fresh_cache
+    from pallas_kernels.small_rows import FUSED_TARGET, TARGET
+
+    model = tiny_model(tiny_config(num_layers=2), scale=2.0)
+    cfg = model.config
+    packed = with_small_row_weights(model.params)
+    for rows in (1, 5, 24):
+        tokens = jnp.asarray(np.random.default_rng(rows).integers(1, cfg.vocab_size, (1, rows)), jnp.int32)
+
+        def step(params):
+            return forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]))
+
+        text = jax.jit(step).lower(packed).as_text()
+        folded = rows in KERNEL_ROWS
+        assert text.count(f"@{FUSED_TARGET}(") == (4 * cfg.num_layers if folded else 0)
+        assert text.count(f"@{TARGET}(") == 0  # every projection folded something in (this LM head is untied)
+        got, want = jax.jit(step)(packed), jax.jit(step)(model.params)
+        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got.cache.k_pages + got.cache.v_pages, want.cache.k_pages + want.cache.v_pages):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -85,9 +85,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):  # [..., H]
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale * xf.astype(x.dtype)
+        return small_rows.rms_norm_reference(x, scale, self.eps)
 
 
 class Segment(NamedTuple):
@@ -208,16 +206,27 @@ class Linear(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm: Optional[tuple[jax.Array, float]] = None, residual: Optional[jax.Array] = None):
+        """``x @ kernel (+ bias)``; with ``norm`` = (gain, eps) ``x`` goes through RMSNorm first, with
+        ``residual`` it is added to the result. On the small-row kernel both fold into its call."""
         x = x.astype(self.dtype)
-        if self.has_variable("params", "weight") and _few_rows(x, self.dtype):
-            y = small_rows.small_rows_matmul(x, self.get_variable("params", "weight"), self.features)
+        kernel_path = self.has_variable("params", "weight") and _few_rows(x, self.dtype)
+        if kernel_path and (norm is not None or (residual is not None and not self.use_bias)):
+            w = self.get_variable("params", "weight")
+            y = small_rows.fused_small_rows(x, w, self.features, scale=None if norm is None else norm[0],
+                                            eps=0.0 if norm is None else norm[1], residual=residual)
+            residual = None
         else:
-            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
-            y = jnp.dot(x, kernel)
+            if norm is not None:
+                x = small_rows.rms_norm_reference(x, norm[0], norm[1])
+            if kernel_path:
+                y = small_rows.small_rows_matmul(x, self.get_variable("params", "weight"), self.features)
+            else:
+                kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
+                y = jnp.dot(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
-        return y
+        return y if residual is None else y + residual
 
 
 def times_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
@@ -255,13 +264,15 @@ class Attention(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H] rows of every segment
+    def __call__(self, x, metas, k_pages, v_pages, norm=None, residual=None):  # x: [M, H] rows of every segment
+        """``norm`` (gain, eps): RMSNorm before the QKV projection; ``residual``: added to the output
+        projection's result (both folded into the projections, see DecoderLayer)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         tp = cfg.tensor_parallel
         # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
         qkv = Linear(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
-                     name="qkv_proj")(x)  # [M, (Hq + 2 KVH) D]
+                     name="qkv_proj")(x, norm=norm)  # [M, (Hq + 2 KVH) D]
         inv_freq = rope_inv_freq(cfg)
         q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
 
@@ -275,13 +286,13 @@ class Attention(nn.Module):
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
             q, k, v = qkv_of(qkv, metas.positions.shape, metas.positions)
             o = metas.attend(q, k, v).reshape(-1, cfg.q_size)
-            return Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o), k, v
+            return Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual), k, v
         qs, ks, vs = zip(*[qkv_of(part, m.shape, m.positions) for m, part in zip(metas, _split(qkv, metas))])
         outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, list(qs), list(ks), list(vs),
                                                    k_pages, v_pages)
         outs = [o.reshape(-1, cfg.q_size) for o in outs]
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o)
+        out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual)
         return out, k_pages, v_pages
 
 
@@ -289,15 +300,15 @@ class MLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm=None, residual=None):  # as Attention's
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        gate_up = Linear(2 * cfg.intermediate_size, dtype=dtype, name="gate_up_proj")(x)  # [M, 2 I]
+        gate_up = Linear(2 * cfg.intermediate_size, dtype=dtype, name="gate_up_proj")(x, norm=norm)  # [M, 2 I]
         # columns grouped per device: [tp, 2, I/tp] (tp = 1: [gate | up])
         gate_up = gate_up.reshape(*x.shape[:-1], cfg.tensor_parallel, 2, -1)
         gate = gate_up[..., 0, :].reshape(*x.shape[:-1], cfg.intermediate_size)
         up = gate_up[..., 1, :].reshape(*x.shape[:-1], cfg.intermediate_size)
-        return Linear(cfg.hidden_size, dtype=dtype, name="down_proj")(nn.silu(gate) * up)
+        return Linear(cfg.hidden_size, dtype=dtype, name="down_proj")(nn.silu(gate) * up, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -308,11 +319,27 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]; metas: per-segment metadata, or a DenseContext
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
+        if self._folds(x):  # the norms and residual adds inside the projections' kernel calls
+            p, eps = self.variables["params"], cfg.rms_norm_eps
+            x, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
+                x, metas, k_pages, v_pages, norm=(p["input_layernorm"]["scale"], eps), residual=x)
+            x = MLP(cfg, name="mlp")(x, norm=(p["post_attention_layernorm"]["scale"], eps), residual=x)
+            return x, k_pages, v_pages
         h, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
             RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), metas, k_pages, v_pages)
         x = x + h
         x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x))
         return x, k_pages, v_pages
+
+    def _folds(self, x) -> bool:
+        """Whether this step folds the layer's norms and residual adds into the small-row kernel's
+        calls (pallas_kernels.small_rows.fused_small_rows): a few rows on the CPU kernel, the
+        projections' packed weights present, one device. Same values up to float rounding."""
+        if self.is_initializing() or self.config.tensor_parallel != 1 or not _few_rows(x, self.config.dtype):
+            return False
+        p = self.variables.get("params", {})
+        return all("weight" in p.get(a, {}).get(b, {}) for a, b in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                                                                     ("mlp", "gate_up_proj"), ("mlp", "down_proj")))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,10 @@ import pytest
 
 from pallas_kernels import cpu_kernels
 from pallas_kernels.small_rows import (
+    FUSED_TARGET,
     check_small_rows_args,
+    fused_small_rows,
+    fused_small_rows_reference,
     pack_rows,
     small_rows_matmul,
     small_rows_matmul_reference,
@@ -109,3 +112,47 @@ def test_other_dtypes_use_the_reference():
     assert "jspec_small_rows" not in text
     np.testing.assert_allclose(small_rows_matmul(x, w).astype(np.float32),
                                small_rows_matmul_reference(x, w).astype(np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 16])
+@pytest.mark.parametrize("k,n", [(576, 64), (40, 12)])  # 40: narrower than the packed weight's 48 columns
+@pytest.mark.parametrize("norm,add", [(True, False), (False, True), (True, True)])
+def test_fused_norm_and_residual_match_the_reference(m, k, n, norm, add):
+    """RMSNorm before and a residual add after the product, inside one kernel call: the same
+    values as the plain ops, and the kernel's call is in the lowered step."""
+    x, w = _operands(m, k, n, seed=m + k + n)
+    rng = np.random.default_rng(m)
+    scale = jnp.asarray(rng.standard_normal(k), jnp.float32) if norm else None
+    res = jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if add else None
+    f = jax.jit(lambda x, w, s, r: fused_small_rows(x, w, n, scale=s, eps=1e-5, residual=r))
+    got = f(x, pack_rows(w), scale, res)
+    want = fused_small_rows_reference(x, w, scale=scale, eps=1e-5, residual=res)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    assert FUSED_TARGET in f.lower(x, pack_rows(w), scale, res).as_text()
+    if add:  # the residual was added (not dropped)
+        assert not np.allclose(got, fused_small_rows_reference(x, w, scale=scale, eps=1e-5))
+
+
+@needs_kernel
+def test_fused_falls_back_where_the_kernel_does_not_apply_and_its_gradient_is_the_references():
+    x, w = _operands(3, 32, 6)  # 6 rows: the packed weight pads them to 8, the fused call would not fit
+    scale, res = jnp.linspace(0.5, 1.5, 32), jnp.ones((3, 6))
+    f = jax.jit(lambda x, w: fused_small_rows(x, w, 6, scale=scale, residual=res))
+    assert FUSED_TARGET not in f.lower(x, pack_rows(w)).as_text()
+    np.testing.assert_allclose(f(x, pack_rows(w)), fused_small_rows_reference(x, w, scale=scale, residual=res),
+                               rtol=1e-5, atol=1e-5)
+    x, w = _operands(3, 32, 8)
+    res = jnp.ones((3, 8))
+
+    def loss(fn, wt):
+        return lambda x, s: jnp.sum(fn(x, wt, 8, scale=s, residual=res) ** 2)
+
+    got = jax.grad(loss(fused_small_rows, pack_rows(w)), argnums=(0, 1))(x, scale)
+    want = jax.grad(loss(fused_small_rows_reference, w), argnums=(0, 1))(x, scale)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="scale"):
+        fused_small_rows(x, pack_rows(w), 8, scale=jnp.ones(31))
+    with pytest.raises(ValueError, match="residual"):
+        fused_small_rows(x, pack_rows(w), 8, residual=jnp.ones((3, 7)))
