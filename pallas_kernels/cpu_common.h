@@ -11,16 +11,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
-#include <vector>
-#include <cstdlib>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -84,128 +79,29 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// One job of parallel_for: indices taken from a shared counter by every thread that runs it.
-struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-  int64_t n = 0;
-  std::function<void(int64_t)> fn;
-
-  void run() {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  }
-};
-
-// Helper threads of jspec's own that, after a job, spin for JSPEC_CPU_SPIN_US microseconds
-// (read once) watching for the next one before they sleep. A decode step calls the kernels
-// ~150 times, a few tens of microseconds apart (XLA's small fusions run between them on the
-// calling thread); XLA's pool threads go to sleep in those gaps, and the first helper of each
-// call then arrives ~30-50 us late, when a projection's whole product takes ~100-600 us. With
-// JSPEC_CPU_SPIN_US=0 (or a second call while one runs) the work goes to XLA's pool as before.
-class SpinPool {
- public:
-  static SpinPool& get(int64_t helpers) {
-    static SpinPool* pool = new SpinPool(helpers);  // never destroyed: threads outlive static teardown
-    return *pool;
-  }
-  int64_t spin_us() const { return spin_us_; }
-  int64_t helpers() const { return static_cast<int64_t>(threads_.size()); }
-
-  // Runs job on the calling thread and the helpers; false (nothing run) when another call holds the pool.
-  bool run(const std::shared_ptr<Job>& job) {
-    if (busy_.exchange(true, std::memory_order_acquire)) return false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = job;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    if (sleepers_.load() > 0) wake_.notify_all();
-    job->run();
-    while (job->active.load() > 0 || helpers_in_.load() > 0) _jspec_relax();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_.reset();
-    }
-    busy_.store(false, std::memory_order_release);
-    return true;
-  }
-
- private:
-  static void _jspec_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
-
-  explicit SpinPool(int64_t helpers) {
-    const char* env = std::getenv("JSPEC_CPU_SPIN_US");
-    spin_us_ = env ? std::max<int64_t>(0, std::atoll(env)) : kDefaultSpinUs;
-    if (spin_us_ == 0) return;
-    for (int64_t h = 0; h < helpers; ++h) threads_.emplace_back([this] { loop(); });
-    for (auto& t : threads_) t.detach();
-  }
-
-  void loop() {
-    uint64_t seen = generation_.load();
-    for (;;) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-      int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
-        _jspec_relax();
-        if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
-          std::unique_lock<std::mutex> lock(mu_);
-          sleepers_.fetch_add(1);
-          wake_.wait(lock, [&] { return generation_.load() != seen; });
-          sleepers_.fetch_sub(1);
-          break;
-        }
-      }
-      std::shared_ptr<Job> job;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        seen = generation_.load();
-        job = job_;
-        if (job) helpers_in_.fetch_add(1);
-      }
-      if (job) {
-        job->run();
-        helpers_in_.fetch_sub(1);
-      }
-    }
-  }
-
-  static constexpr int64_t kDefaultSpinUs = 0;
-  int64_t spin_us_ = 0;
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> sleepers_{0};
-  std::atomic<int64_t> helpers_in_{0};
-  std::atomic<bool> busy_{false};
-  std::shared_ptr<Job> job_;
-};
-
 inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
-  auto job = std::make_shared<Job>();
-  job->n = n;
-  job->fn = std::move(fn);
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    int64_t n = 0;
+    std::function<void(int64_t)> fn;
+  };
+  auto st = std::make_shared<State>();
+  st->n = n;
+  st->fn = std::move(fn);
+  auto run = [](State& s) {
+    for (int64_t i = s.next.fetch_add(1); i < s.n; i = s.next.fetch_add(1)) s.fn(i);
+  };
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
-  if (helpers > 0) {
-    SpinPool& spin = SpinPool::get(std::max<int64_t>(pool.num_threads() - 1, 0));
-    if (spin.helpers() > 0 && spin.run(job)) return;
-  }
   for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([job] {
-      job->active.fetch_add(1);
-      job->run();
-      job->active.fetch_sub(1);
+    pool.Schedule([st, run] {
+      st->active.fetch_add(1);
+      run(*st);
+      st->active.fetch_sub(1);
     });
   }
-  job->run();
-  while (job->active.load() > 0) std::this_thread::yield();
+  run(*st);
+  while (st->active.load() > 0) std::this_thread::yield();
 }
 
 }  // namespace jspec_cpu
