@@ -9,6 +9,10 @@ with the machine's C++ compiler and ``-march=native``, and cached (:mod:`pallas_
 shape: the kernel, a validated wrapper (:func:`small_rows_matmul`), and
 :func:`small_rows_matmul_reference` in plain ``jnp`` with the same signature.
 
+:func:`fused_small_rows` is the same product with a decoder layer's neighbours folded into the
+call (``small_rows.cc``'s second target): RMSNorm of ``x`` before it, a residual added after it,
+so that a decode step does not run them as XLA ops of their own between two products.
+
 The wrapper lowers to the kernel on the CPU only, for float32 operands, when the kernel could
 be built (:func:`available`); everywhere else (GPUs, other dtypes, no compiler,
 ``JSPEC_CPU_KERNELS=0``) it lowers to the reference's ``dot_general``. Results equal the
@@ -142,8 +146,8 @@ def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale:
     """A decoder layer's product with its neighbours folded into the one kernel call: ``x``
     [..., K] through RMSNorm with gain ``scale`` [K] (if given), times the weight rows ``w``
     transposed (as :func:`small_rows_matmul`), plus ``residual`` [..., N] (if given). On the CPU
-    kernel (float32, built, a packed ``w`` whose row count is a multiple of 4) that saves XLA the
-    separate norm and add ops between two products; elsewhere, and for gradients,
+    kernel (float32, built; a plain ``w``, or a packed one whose ``n`` is a multiple of 4) that
+    saves XLA the separate norm and add ops between two products; elsewhere, and for gradients,
     :func:`fused_small_rows_reference`."""
     check_small_rows_args(x, w, n)
     true_n = n if w.ndim == 4 else w.shape[0]
@@ -164,10 +168,10 @@ def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fused(x2, w, g, r, eps, norm, add):
     return jax.lax.platform_dependent(x2, w, g, r, cpu=functools.partial(_fused_kernel, eps=eps),
-                                      default=functools.partial(_fused_ref2, eps=eps, norm=norm, add=add))
+                                      default=functools.partial(_fused_reference, eps=eps, norm=norm, add=add))
 
 
-def _fused_ref2(x2, w, g, r, *, eps, norm, add):
+def _fused_reference(x2, w, g, r, *, eps, norm, add):
     n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
     return fused_small_rows_reference(x2, w, n, scale=g if norm else None, eps=eps, residual=r if add else None)
 
@@ -177,7 +181,7 @@ def _fused_fwd(x2, w, g, r, eps, norm, add):
 
 
 def _fused_bwd(eps, norm, add, res, dy):
-    _, vjp = jax.vjp(functools.partial(_fused_ref2, eps=eps, norm=norm, add=add), *res)
+    _, vjp = jax.vjp(functools.partial(_fused_reference, eps=eps, norm=norm, add=add), *res)
     return vjp(dy)
 
 
