@@ -211,7 +211,7 @@ class Linear(nn.Module):
         ``residual`` it is added to the result. On the small-row kernel both fold into its call."""
         x = x.astype(self.dtype)
         kernel_path = self.has_variable("params", "weight") and _few_rows(x, self.dtype)
-        if kernel_path and (norm is not None or (residual is not None and not self.use_bias)):
+        if kernel_path and (norm is not None or residual is not None):
             w = self.get_variable("params", "weight")
             y = small_rows.fused_small_rows(x, w, self.features, scale=None if norm is None else norm[0],
                                             eps=0.0 if norm is None else norm[1], residual=residual)
