@@ -2,11 +2,9 @@
 // where the CPU has them, two AVX2 registers elsewhere) and the work split between the calling
 // thread and XLA's intra-op thread pool.
 //
-// parallel_for(pool, n, fn) calls fn(i) for every i in [0, n), each once, on the calling thread
-// and up to (pool threads - 1) helpers, which take indices from a shared counter. It returns as
-// soon as every index is done and no helper is inside fn: a helper that wakes up late finds the
-// counter spent and touches only the shared state (kept alive by its own reference), never the
-// caller's stack, so the caller does not wait for a sleeping thread to wake.
+// run_phases(pool, phases) runs a kernel call's phases one after another, each phase's units on
+// the calling thread and up to (pool threads - 1) helpers, which take them from a shared ticket;
+// parallel_for(pool, n, fn) is one phase. See run_phases below.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -64,6 +63,32 @@ inline float hsum(v16 v) {
 
 inline v16 splat(float f) { return v16{} + f; }
 
+typedef int32_t i16v __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+// exp over 16 lanes (Cephes-style: 2^n * polynomial on [-ln2/2, ln2/2], ~2 ulp); -inf -> 0.
+inline v16 vexp(v16 x) {
+  const v16 hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
+  v16 xc = x > hi ? hi : x;  // lane-wise selects (GCC vector extension)
+  const auto under = xc < lo;
+  xc = under ? lo : xc;
+  const v16 fx = xc * splat(1.44269504088896341f) + splat(0.5f);
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx, i16v), v16);  // toward zero
+  n = n > fx ? n - splat(1.0f) : n;                                        // floor(fx + 1/2)
+  v16 r = xc - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  y = y * scale;
+  return under ? v16{} : y;
+}
+
 #ifdef JSPEC_AVX2_TILES
 // Keeps a loaded vector in its register for the FMAs that use it. Left to itself GCC 12 folds
 // the load into each FMA that reads the vector (vfmadd231ps mem, ...): a tile of 3 x 4 outputs
@@ -79,29 +104,110 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
-    int64_t n = 0;
-    std::function<void(int64_t)> fn;
-  };
-  auto st = std::make_shared<State>();
-  st->n = n;
-  st->fn = std::move(fn);
-  auto run = [](State& s) {
-    for (int64_t i = s.next.fetch_add(1); i < s.n; i = s.next.fetch_add(1)) s.fn(i);
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([st, run] {
-      st->active.fetch_add(1);
-      run(*st);
-      st->active.fetch_sub(1);
-    });
+// One step of run_phases: `units` calls fn(0 .. units - 1), in any order, on any of the threads.
+// `warm` / `warm_bytes`: data the phase will read first (its weight), which threads left
+// without a unit of the phase before it read ahead into their caches.
+struct Phase {
+  int64_t units;
+  std::function<void(int64_t)> fn;
+  const void* warm = nullptr;
+  int64_t warm_bytes = 0;
+};
+
+constexpr int64_t kWarmPiece = 16 << 10;  // bytes of a phase's warm data read ahead at a time
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+namespace team {
+
+// One call's phases and their progress, shared by the caller and its helpers.
+struct Job {
+  std::atomic<uint64_t> ticket{0};  // (phase << 32) | next unit of that phase
+  std::atomic<int64_t> done{0};     // units of the current phase done
+  std::atomic<int64_t> warmed{0};   // (phase << 32) | next warm piece of the phase after it
+  std::vector<Phase> phases;
+
+  uint64_t first(uint64_t ph) const {  // the first phase from ph on with units
+    while (ph < phases.size() && phases[ph].units == 0) ++ph;
+    return ph;
   }
-  run(*st);
-  while (st->active.load() > 0) std::this_thread::yield();
+
+  // Claims and runs units until the last phase is done.
+  void work() {
+    const uint64_t P = phases.size();
+    for (;;) {
+      const uint64_t t = ticket.fetch_add(1);
+      const uint64_t ph = t >> 32, i = t & 0xffffffffu;
+      if (ph >= P) return;
+      const Phase& p = phases[ph];
+      if (static_cast<int64_t>(i) < p.units) {
+        p.fn(static_cast<int64_t>(i));
+        if (done.fetch_add(1) + 1 == p.units) {  // the phase's last unit: start the next one
+          const uint64_t next = first(ph + 1);
+          done.store(0);
+          warmed.store(static_cast<int64_t>(next << 32));
+          ticket.store(next << 32);
+        }
+        continue;
+      }
+      // nothing left in this phase: read ahead the next phase's data while the others finish
+      const Phase* ahead = ph + 1 < P ? &phases[ph + 1] : nullptr;
+      const int64_t pieces = ahead ? (ahead->warm_bytes + kWarmPiece - 1) / kWarmPiece : 0;
+      for (int spins = 0; (ticket.load() >> 32) == ph; ++spins) {
+        int64_t w = warmed.load();
+        const int64_t piece = w & 0xffffffff;
+        if (static_cast<uint64_t>(w >> 32) == ph && piece < pieces && warmed.compare_exchange_strong(w, w + 1)) {
+          const char* base = static_cast<const char*>(ahead->warm) + piece * kWarmPiece;
+          const int64_t n = std::min(kWarmPiece, ahead->warm_bytes - piece * kWarmPiece);
+          for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(base + b, 0, 2);
+        } else if (spins < 256) {
+          spin_pause();
+        } else {  // a long wait: the thread it waits for may have lost its core to another
+          std::this_thread::yield();
+        }
+      }
+    }
+  }
+};
+
+}  // namespace team
+
+// The phases one after another, a phase's units taken from a shared ticket by the calling thread
+// and up to (pool threads - 1) helpers; a phase starts once every unit of the one before it is
+// done. A helper is scheduled once for all the phases (not once per phase: it does not go back to
+// XLA's pool, and to sleep, between two), and one that comes late joins the phase under way. A
+// thread with no unit left in a phase waits by spinning (the units are small, the waits short;
+// past a few hundred spins it yields its core) and meanwhile reads ahead the next phase's `warm` data, 16 KB at a time. Returns when the last
+// phase is done: every unit has returned, and a helper never touches the caller's stack after
+// that (it runs the phases' functions only for units it claimed before the end; the job itself
+// lives as long as its last holder).
+//
+// Tried and left out (BENCHMARKS.md, twenty-second session): helpers that linger, spinning, after
+// their job for the next call's, so as not to sleep between calls: on the 2-core VM a decode
+// step got slower (the lingering thread competes with the thread running XLA's other ops).
+inline void run_phases(xla::ffi::ThreadPool& pool, std::vector<Phase> phases) {
+  auto job = std::make_shared<team::Job>();
+  job->phases = std::move(phases);
+  const uint64_t start = job->first(0);
+  if (start >= job->phases.size()) return;
+  job->ticket.store(start << 32);
+  job->warmed.store(static_cast<int64_t>(start << 32));
+  int64_t units = 0;
+  for (const Phase& p : job->phases) units = std::max(units, p.units);
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), units - 1);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { job->work(); });
+  job->work();
+}
+
+// fn(i) for every i in [0, n), each once, on the calling thread and the helpers (one phase).
+inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
+  run_phases(pool, {Phase{n, std::move(fn)}});
 }
 
 }  // namespace jspec_cpu

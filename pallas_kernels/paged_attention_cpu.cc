@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "paged_attention_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,40 +44,19 @@ using jspec_cpu::load;
 using jspec_cpu::splat;
 using jspec_cpu::store;
 using jspec_cpu::v16;
+using jspec_cpu::i16v;
+using jspec_cpu::vexp;
 
 namespace {
+
+using jspec_cpu::AttentionShapes;
+using Shapes = AttentionShapes;
 
 #ifdef JSPEC_AVX2_TILES
 constexpr int kRowGroup = 3;  // rows of one head accumulated together in the value pass (3 x 32 floats)
 #else
 constexpr int kRowGroup = 4;  // rows of one head accumulated together in the value pass
 #endif
-
-typedef int32_t i16v __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
-
-// exp over 16 lanes (Cephes-style: 2^n * polynomial on [-ln2/2, ln2/2], ~2 ulp); -inf -> 0.
-inline v16 vexp(v16 x) {
-  const v16 hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
-  v16 xc = x > hi ? hi : x;  // lane-wise selects (GCC vector extension)
-  const auto under = xc < lo;
-  xc = under ? lo : xc;
-  const v16 fx = xc * splat(1.44269504088896341f) + splat(0.5f);
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, i16v), v16);  // toward zero
-  n = n > fx ? n - splat(1.0f) : n;                                        // floor(fx + 1/2)
-  v16 r = xc - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * r * r + r + splat(1.0f);
-  const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  y = y * scale;
-  return under ? v16{} : y;
-}
 
 // out[j] = sum of the lanes of a[j], for 16 vectors at once: four rounds that each fold half of
 // every vector onto the other half of its partner's (15 two-vector shuffles and adds in all,
@@ -111,10 +91,6 @@ inline v16 reduce16(const v16 (&a)[kLanes]) {
   for (int i = 0; i < 2; ++i) w[i] = fold(u[2 * i], u[2 * i + 1], lo3, hi3);
   return fold(w[0], w[1], lo4, hi4);
 }
-
-struct Shapes {
-  int64_t B, T, Hq, D, KVH, P, S, W, G;
-};
 
 #ifdef JSPEC_AVX2_TILES
 constexpr int64_t kAheadBlocks = 4;  // blocks of 16 keys prefetched ahead in the scores pass
@@ -475,61 +451,48 @@ void unit(const Shapes& s, const float* q, const float* kp, const float* vp, con
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
-                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
-                              ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: expected q [B, T, Hq, D], pages [KVH, P, S, D], "
-                                       "block_tables [B, W]");
-  }
-  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1], 0};
-  if (kd[3] != s.D || s.D > 256 || s.KVH == 0 || s.Hq % s.KVH || td[0] != s.B) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: shapes disagree (or head_dim > 256)");
-  }
-  s.G = s.Hq / s.KVH;
-  const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
-  const int32_t* tables = block_tables.typed_data();
-  const int32_t* kvl = kv_lens.typed_data();
-  const int32_t* ql = q_lens.typed_data();
-  float* op = out->typed_data();
-  std::memset(op, 0, sizeof(float) * s.B * s.T * s.Hq * s.D);  // padding rows stay zero
-  // per sequence: its rows, row 0's position, the keys its last row sees, its chunks
-  struct Seq {
-    int64_t rows, first_pos, keys, chunks, first_unit;
-  };
-  std::vector<Seq> seqs(s.B);
-  int64_t units = 0, max_chunks = 0;
+}  // namespace
+
+namespace jspec_cpu {
+
+AttentionPlan::AttentionPlan(const AttentionShapes& shapes, const float* q, const float* k_pages,
+                             const float* v_pages, const int32_t* block_tables, const int32_t* kv_lens,
+                             const int32_t* q_lens)
+    : s(shapes), q(q), kp(k_pages), vp(v_pages), tables(block_tables), seqs(shapes.B) {
   for (int64_t b = 0; b < s.B; ++b) {
-    const int64_t kv_len = std::min<int64_t>(kvl[b], s.W * s.S);
-    const int64_t rows = std::min<int64_t>(std::max<int32_t>(ql[b], 0), s.T);
-    const int64_t first_pos = kv_len - ql[b];
+    const int64_t kv_len = std::min<int64_t>(kv_lens[b], s.W * s.S);
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(q_lens[b], 0), s.T);
+    const int64_t first_pos = kv_len - q_lens[b];
     const int64_t keys = rows > 0 ? std::max<int64_t>(0, std::min(kv_len, first_pos + rows)) : 0;
     const int64_t chunks = (keys + kChunkKeys - 1) / kChunkKeys;
-    seqs[b] = {rows, first_pos, keys, chunks, units};
-    units += s.KVH * chunks;
+    seqs[b] = {rows, first_pos, keys, chunks, num_units};
+    num_units += s.KVH * chunks;
     max_chunks = std::max(max_chunks, chunks);
   }
-  const int64_t R = s.T * s.G, stride = s.D + 2;
+  R = s.T * s.G;
+  stride = s.D + 2;
   // partials [B, KVH, max_chunks, R, D + 2]: m, l, acc
-  std::vector<float> parts(static_cast<size_t>(s.B * s.KVH * max_chunks * R * stride));
-  auto part_of = [&](int64_t b, int64_t kvh, int64_t c) {
-    return parts.data() + ((b * s.KVH + kvh) * max_chunks + c) * R * stride;
-  };
-  jspec_cpu::parallel_for(pool, units, [&](int64_t u) {
-    thread_local std::vector<float> scores;
-    int64_t b = 0;
-    while (u >= seqs[b].first_unit + s.KVH * seqs[b].chunks) ++b;
-    const Seq& sq = seqs[b];
-    const int64_t kvh = (u - sq.first_unit) / sq.chunks, c = (u - sq.first_unit) % sq.chunks;
-    unit(s, qp, kp, vp, tables + b * s.W, b, kvh, sq.rows, sq.first_pos, c * kChunkKeys,
-         std::min(sq.keys, (c + 1) * kChunkKeys), scores, part_of(b, kvh, c));
-  });
-  // combine the chunks of every row, in chunk order (so a row's bits do not depend on the rows
-  // beside it: chunks it does not see add exact zeros)
+  parts.resize(static_cast<size_t>(s.B * s.KVH * max_chunks * R * stride));
+}
+
+float* AttentionPlan::part_of(int64_t b, int64_t kvh, int64_t c) {
+  return parts.data() + ((b * s.KVH + kvh) * max_chunks + c) * R * stride;
+}
+
+void AttentionPlan::run(int64_t u) {
+  thread_local std::vector<float> scores;
+  int64_t b = 0;
+  while (u >= seqs[b].first_unit + s.KVH * seqs[b].chunks) ++b;
+  const Seq& sq = seqs[b];
+  const int64_t kvh = (u - sq.first_unit) / sq.chunks, c = (u - sq.first_unit) % sq.chunks;
+  unit(s, q, kp, vp, tables + b * s.W, b, kvh, sq.rows, sq.first_pos, c * kChunkKeys,
+       std::min(sq.keys, (c + 1) * kChunkKeys), scores, part_of(b, kvh, c));
+}
+
+// combine the chunks of every row, in chunk order (so a row's bits do not depend on the rows
+// beside it: chunks it does not see add exact zeros)
+void AttentionPlan::combine(float* op) {
+  std::memset(op, 0, sizeof(float) * s.B * s.T * s.Hq * s.D);  // padding rows stay zero
   for (int64_t b = 0; b < s.B; ++b) {
     const Seq& sq = seqs[b];
     for (int64_t kvh = 0; kvh < s.KVH; ++kvh) {
@@ -551,6 +514,37 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       }
     }
   }
+}
+
+ffi::Error attention_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k_pages,
+                            const ffi::Buffer<ffi::S32>& block_tables, AttentionShapes& s) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: expected q [B, T, Hq, D], pages [KVH, P, S, D], "
+                                       "block_tables [B, W]");
+  }
+  s = AttentionShapes{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1], 0};
+  if (kd[3] != s.D || s.D > 256 || s.KVH == 0 || s.Hq % s.KVH || td[0] != s.B) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: shapes disagree (or head_dim > 256)");
+  }
+  s.G = s.Hq / s.KVH;
+  return ffi::Error::Success();
+}
+
+}  // namespace jspec_cpu
+
+namespace {
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  AttentionShapes s;
+  if (auto e = jspec_cpu::attention_shapes(q, k_pages, block_tables, s); e.failure()) return e;
+  jspec_cpu::AttentionPlan plan(s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
+                                block_tables.typed_data(), kv_lens.typed_data(), q_lens.typed_data());
+  jspec_cpu::parallel_for(pool, plan.num_units, [&](int64_t u) { plan.run(u); });
+  plan.combine(out->typed_data());
   return ffi::Error::Success();
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_common.h"  // JSPEC_AVX2_TILES: which tiles this build compiles
+#include "small_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,6 +41,7 @@ using jspec_cpu::load;
 using jspec_cpu::splat;
 using jspec_cpu::store;
 using jspec_cpu::v16;
+using jspec_cpu::kChunkRows;
 
 namespace {
 
@@ -51,7 +53,6 @@ constexpr int kMaxRowsPacked = 5;    // rows of x per tile, packed layout (5 x 4
 constexpr int kMaxRowsPlain = 7;     // 7 + 7 + 1
 constexpr int kMaxRowsPacked = 3;    // 12 + 3 + 1
 #endif
-constexpr int64_t kChunkRows = 64;   // weight rows per unit of work handed to a thread
 // Each step asks for the weight's cache lines 8 KB ahead into L2 (prefetcht1): with several rows
 // of x the FMAs keep the core busy long enough that the hardware prefetcher alone falls behind
 // (measured on Zen 4: a 5-row product went from ~1.5-1.9x one row to ~1.1-1.25x; into L1 or
@@ -188,13 +189,8 @@ void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_
 // shape as y) each chunk adds r to its outputs once they are summed (a residual connection).
 void product(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, const float* rp, int64_t M,
              int64_t K, int64_t N, bool packed) {
-  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
-  jspec_cpu::parallel_for(pool, chunks, [&](int64_t c) {
-    const int64_t n0 = c * kChunkRows, n1 = std::min(N, (c + 1) * kChunkRows);
-    rows(xp, wp, yp, M, K, N, packed, n0, n1);
-    if (rp != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) yp[m * N + n] += rp[m * N + n];
+  jspec_cpu::parallel_for(pool, jspec_cpu::product_chunks(N), [&](int64_t c) {
+    jspec_cpu::product_chunk(xp, wp, yp, rp, M, K, N, packed, c);
   });
 }
 
@@ -243,18 +239,8 @@ ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   std::vector<float> xs;
   const float* xp = x.typed_data();
   if (norm || K0 != K) {
-    xs.assign(M * K, 0.f);
-    const float* g = scale.typed_data();
-    for (int64_t m = 0; m < M; ++m) {
-      const float* row = xp + m * K0;
-      float inv = 1.f;
-      if (norm) {
-        float ss = 0.f;
-        for (int64_t k = 0; k < K0; ++k) ss += row[k] * row[k];
-        inv = 1.f / std::sqrt(ss / static_cast<float>(K0) + eps);
-      }
-      for (int64_t k = 0; k < K0; ++k) xs[m * K + k] = norm ? g[k] * (row[k] * inv) : row[k];
-    }
+    xs.resize(M * K);
+    jspec_cpu::rms_norm_rows(xp, norm ? scale.typed_data() : nullptr, xs.data(), M, K0, K, eps);
     xp = xs.data();
   }
   product(pool, xp, w.typed_data(), y->typed_data(), add ? residual.typed_data() : nullptr, M, K, N, packed);
@@ -262,6 +248,34 @@ ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 }
 
 }  // namespace
+
+namespace jspec_cpu {
+
+void product_chunk(const float* x, const float* w, float* y, const float* r, int64_t M, int64_t K, int64_t N,
+                   bool packed, int64_t c) {
+  const int64_t n0 = c * kChunkRows, n1 = std::min(N, (c + 1) * kChunkRows);
+  rows(x, w, y, M, K, N, packed, n0, n1);
+  if (r != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] += r[m * N + n];
+}
+
+void rms_norm_rows(const float* x, const float* g, float* out, int64_t M, int64_t K0, int64_t K, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K0;
+    float* o = out + m * K;
+    float inv = 1.f;
+    if (g != nullptr) {
+      float ss = 0.f;
+      for (int64_t k = 0; k < K0; ++k) ss += row[k] * row[k];
+      inv = 1.f / std::sqrt(ss / static_cast<float>(K0) + eps);
+    }
+    for (int64_t k = 0; k < K0; ++k) o[k] = g != nullptr ? g[k] * (row[k] * inv) : row[k];
+    for (int64_t k = K0; k < K; ++k) o[k] = 0.f;
+  }
+}
+
+}  // namespace jspec_cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRows, SmallRowsImpl,
                               ffi::Ffi::Bind()

@@ -122,28 +122,35 @@ def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
 
 def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on):
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
-    residual adds inside the projections' kernel calls (pallas_kernels.small_rows.fused_small_rows):
-    the lowered step has 4 fused calls per layer and no plain ones, and its logits, hidden states
-    and cache equal the plain parameters' up to float rounding. A step of more rows does not fold."""
+    residual adds inside the kernel calls: with the cpu attention, one fused QKV product
+    (pallas_kernels.small_rows.fused_small_rows) and one call for the rest of the layer after the
+    K/V write (pallas_kernels.layer_tail: attention, o_proj, norm, MLP); with another attention, 4
+    fused products per layer. No plain product either way, and the logits, hidden states and cache
+    equal the plain parameters' up to float rounding. A step of more rows folds nothing."""
     from jspec.models.llama import forward
     from jspec.train.objectives import fresh_cache
+    from pallas_kernels.layer_tail import TARGET as TAIL_TARGET
     from pallas_kernels.small_rows import FUSED_TARGET, TARGET
 
     model = tiny_model(tiny_config(num_layers=2), scale=2.0)
     cfg = model.config
+    layers = cfg.num_layers
     packed = with_small_row_weights(model.params)
     for rows in (1, 5, 24):
         tokens = jnp.asarray(np.random.default_rng(rows).integers(1, cfg.vocab_size, (1, rows)), jnp.int32)
+        for attention in ("cpu", "xla"):
+            def step(params):
+                return forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]),
+                               attention=attention)
 
-        def step(params):
-            return forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]))
-
-        text = jax.jit(step).lower(packed).as_text()
-        folded = rows in KERNEL_ROWS
-        assert text.count(f"@{FUSED_TARGET}(") == (4 * cfg.num_layers if folded else 0)
-        assert text.count(f"@{TARGET}(") == 0  # every projection folded something in (this LM head is untied)
-        got, want = jax.jit(step)(packed), jax.jit(step)(model.params)
-        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-        for a, b in zip(got.cache.k_pages + got.cache.v_pages, want.cache.k_pages + want.cache.v_pages):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+            text = jax.jit(step).lower(packed).as_text()
+            folded = rows in KERNEL_ROWS
+            tail = folded and attention == "cpu"
+            assert text.count(f"@{TAIL_TARGET}(") == (layers if tail else 0)
+            assert text.count(f"@{FUSED_TARGET}(") == (layers if tail else 4 * layers if folded else 0)
+            assert text.count(f"@{TARGET}(") == 0  # every projection folded something in (this LM head is untied)
+            got, want = jax.jit(step)(packed), jax.jit(step)(model.params)
+            np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+            for a, b in zip(got.cache.k_pages + got.cache.v_pages, want.cache.k_pages + want.cache.v_pages):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

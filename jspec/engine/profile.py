@@ -112,6 +112,7 @@ OP_CATEGORIES = (
     ("gate_up_proj", r"/gate_up_proj/"),
     ("down_proj", r"/down_proj/"),
     ("attention", r"/verify_attention/"),
+    ("layer_tail", r"/layer_tail/"),
     ("kv_write", r"/kv_write/"),
     ("norms", r"layernorm|/norm/|RMSNorm"),
     ("rope+elementwise", r"/layer_\d+/"),

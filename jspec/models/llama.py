@@ -44,7 +44,7 @@ from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
-from pallas_kernels import cpu_kernels, small_rows
+from pallas_kernels import cpu_kernels, layer_tail, small_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -264,9 +264,13 @@ class Attention(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, x, metas, k_pages, v_pages, norm=None, residual=None):  # x: [M, H] rows of every segment
+    def __call__(self, x, metas, k_pages, v_pages, norm=None, residual=None, mlp=None):  # x: [M, H] rows of every segment
         """``norm`` (gain, eps): RMSNorm before the QKV projection; ``residual``: added to the output
-        projection's result (both folded into the projections, see DecoderLayer)."""
+        projection's result (both folded into the projections, see DecoderLayer). ``mlp`` (the
+        post-attention norm's gain, eps, and the MLP's packed gate/up and down weights): where
+        :func:`_tail_fuses`, the layer's attention, output projection and MLP run as one kernel call
+        (pallas_kernels.layer_tail) after the K/V write. With ``mlp`` the result is (out, k_pages,
+        v_pages, whether the MLP ran)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         tp = cfg.tensor_parallel
@@ -286,14 +290,36 @@ class Attention(nn.Module):
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
             q, k, v = qkv_of(qkv, metas.positions.shape, metas.positions)
             o = metas.attend(q, k, v).reshape(-1, cfg.q_size)
-            return Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual), k, v
+            out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual)
+            return (out, k, v) if mlp is None else (out, k, v, False)
         qs, ks, vs = zip(*[qkv_of(part, m.shape, m.positions) for m, part in zip(metas, _split(qkv, metas))])
+        if mlp is not None:
+            o_w = self.variables["params"]["o_proj"].get("weight")
+            if self._tail_fuses(metas, qs[0], k_pages, residual, o_w, mlp):
+                (m,), (k,), (v,) = metas, ks, vs
+                gain, eps, gate_up_w, down_w = mlp
+                with jax.named_scope("kv_write"):
+                    k_pages = write_kv(k_pages, k, m.block_tables, m.start, m.q_lens)
+                    v_pages = write_kv(v_pages, v, m.block_tables, m.start, m.q_lens)
+                with jax.named_scope("layer_tail"):
+                    out = layer_tail.layer_tail(qs[0], k_pages, v_pages, m.block_tables, m.start + m.q_lens, m.q_lens,
+                                                residual, o_w, gain, gate_up_w, down_w, eps)
+                return out, k_pages, v_pages, True
         outs, k_pages, v_pages = _write_and_attend(cfg, self.attention, metas, list(qs), list(ks), list(vs),
                                                    k_pages, v_pages)
         outs = [o.reshape(-1, cfg.q_size) for o in outs]
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual)
-        return out, k_pages, v_pages
+        return (out, k_pages, v_pages) if mlp is None else (out, k_pages, v_pages, False)
+
+    def _tail_fuses(self, metas, q, k_pages, residual, o_w, mlp) -> bool:
+        """Whether the layer after the K/V write runs as one kernel call: one segment, the cpu
+        attention at its kernel's row counts, one device, a residual, the packed weights present
+        and fitting the kernel (pallas_kernels.layer_tail.applies)."""
+        if (len(metas) != 1 or self.attention != "cpu" or self.config.tensor_parallel != 1 or residual is None
+                or o_w is None or q.shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
+            return False
+        return layer_tail.applies(q, k_pages, residual, o_w, mlp[2], mlp[3])
 
 
 class MLP(nn.Module):
@@ -321,9 +347,12 @@ class DecoderLayer(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if self._folds(x):  # the norms and residual adds inside the projections' kernel calls
             p, eps = self.variables["params"], cfg.rms_norm_eps
-            x, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
-                x, metas, k_pages, v_pages, norm=(p["input_layernorm"]["scale"], eps), residual=x)
-            x = MLP(cfg, name="mlp")(x, norm=(p["post_attention_layernorm"]["scale"], eps), residual=x)
+            post = (p["post_attention_layernorm"]["scale"], eps)
+            mlp = (*post, p["mlp"]["gate_up_proj"]["weight"], p["mlp"]["down_proj"]["weight"])
+            x, k_pages, v_pages, mlp_ran = Attention(cfg, self.attention, name="self_attn")(
+                x, metas, k_pages, v_pages, norm=(p["input_layernorm"]["scale"], eps), residual=x, mlp=mlp)
+            if not mlp_ran:
+                x = MLP(cfg, name="mlp")(x, norm=post, residual=x)
             return x, k_pages, v_pages
         h, k_pages, v_pages = Attention(cfg, self.attention, name="self_attn")(
             RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), metas, k_pages, v_pages)

@@ -1,0 +1,116 @@
+"""The CPU layer-tail kernel (pallas_kernels/layer_tail.cc: attention, o_proj + residual,
+RMSNorm, gate/up, SwiGLU, down_proj + residual in one call) against its reference: poisoned
+pages and table slots, ragged q_lens and kv_lens across 256-key chunks, empty sequences, GQA;
+a row's result independent of the rows beside it; its gradient; where it lowers; bad shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import Case, make_inputs
+from pallas_kernels import cpu_kernels
+from pallas_kernels.layer_tail import TARGET, layer_tail, layer_tail_reference
+from pallas_kernels.small_rows import pack_rows
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
+
+EPS = 1e-5
+
+
+def _weights(hq_d: int, hidden: int, inter: int, seed: int):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    return (f(hidden, hq_d) / np.sqrt(hq_d), 1.0 + 0.1 * f(hidden), f(2 * inter, hidden) / np.sqrt(hidden),
+            f(hidden, inter) / np.sqrt(inter))
+
+
+def _operands(case: Case, hidden: int, inter: int, seed: int = 0):
+    """(kernel args with poisoned pages, reference args with clean ones), both ending in the
+    residual stream x [B T, H] and the packed o, gain, gate_up and down."""
+    kernel_args, ref_args = make_inputs(case, seed=seed)
+    q = kernel_args[0]
+    b, t, hq, d = q.shape
+    q_lens = kernel_args[5] if kernel_args[5] is not None else jnp.full((b,), t, jnp.int32)
+    x = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((b * t, hidden)).astype(np.float32))
+    o, gain, gate_up, down = _weights(hq * d, hidden, inter, seed + 2)
+    rest = (x, pack_rows(o), gain, pack_rows(gate_up), pack_rows(down))
+    return (*kernel_args[:5], q_lens, *rest), (*ref_args[:5], q_lens, *rest)
+
+
+CASES = [  # (attention case, hidden, intermediate)
+    (Case(t=1, group=3, head_dim=64, page_size=16, kv_lens=(1, 17, 100), kv_heads=3), 576, 1536),  # SmolLM2 decode
+    (Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(600, 257), q_lens=(5, 3), kv_heads=3), 576, 1536),
+    (Case(t=4, group=2, head_dim=16, page_size=8, kv_lens=(4, 0, 300), q_lens=(4, 0, 2), garbage="mixed"), 64, 128),
+    (Case(t=2, group=1, head_dim=32, page_size=4, kv_lens=(2, 9)), 48, 80),  # o_proj's K (64) is not H
+]
+
+
+@pytest.mark.parametrize("case,hidden,inter", CASES, ids=lambda c: str(c) if isinstance(c, int) else f"t{c.t}-kv{max(c.kv_lens)}")
+def test_kernel_matches_the_reference_on_poisoned_inputs(case, hidden, inter):
+    kernel_args, ref_args = _operands(case, hidden, inter, seed=case.t + hidden)
+    f = jax.jit(lambda *a: layer_tail(*a, eps=EPS))
+    assert TARGET in f.lower(*kernel_args).as_text()
+    out = np.asarray(f(*kernel_args))
+    ref = np.asarray(layer_tail_reference(*ref_args, eps=EPS))
+    assert np.isfinite(out).all(), "the kernel read a poisoned value"
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+    # rows past a sequence's q_len: attention gives zeros, so they are x through o (0) and the MLP
+    assert out.shape == (len(case.kv_lens) * case.t, hidden)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """A decode step's row and the same row as the first of a verification step's rows give the
+    same bits: greedy speculative decoding stays token-identical to plain decoding on this path."""
+    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(700,), kv_heads=3)
+    args, _ = _operands(case, 576, 1536, seed=5)
+    q, k, v, table, _, _, x, *weights = args
+    f = jax.jit(lambda *a: layer_tail(*a, eps=EPS))
+    for pos in (0, 255, 600):
+        verify = f(q, k, v, table, jnp.array([pos + 5], jnp.int32), jnp.array([5], jnp.int32), x, *weights)
+        for t in range(5):
+            alone = f(q[:, t:t + 1], k, v, table, jnp.array([pos + t + 1], jnp.int32), jnp.array([1], jnp.int32),
+                      x[t:t + 1], *weights)
+            assert (np.asarray(alone[0]) == np.asarray(verify[t])).all(), (pos, t)
+
+
+def test_gradient_is_the_references():
+    case = Case(t=2, group=2, head_dim=16, page_size=4, kv_lens=(5, 9))
+    _, args = _operands(case, 32, 48, seed=7)
+
+    def loss(fn, x, o, gain):
+        return jnp.sum(jnp.sin(fn(*args[:6], x, o, gain, *args[9:], eps=EPS)))
+
+    got = jax.grad(lambda *p: loss(layer_tail, *p), argnums=(0, 1, 2))(*args[6:9])
+    want = jax.grad(lambda *p: loss(layer_tail_reference, *p), argnums=(0, 1, 2))(*args[6:9])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_lowers_on_the_cpu_only_and_falls_back_elsewhere(monkeypatch):
+    case = Case(t=2, group=2, head_dim=16, page_size=4, kv_lens=(5, 9))
+    args, ref_args = _operands(case, 32, 48)
+    f = jax.jit(lambda *a: layer_tail(*a, eps=EPS))
+    for platform in ("cuda", "rocm"):
+        assert TARGET not in f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    monkeypatch.setenv("JSPEC_CPU_KERNELS", "0")
+    g = jax.jit(lambda *a: layer_tail(*a, eps=EPS))
+    assert TARGET not in g.lower(*ref_args).as_text()
+    np.testing.assert_allclose(g(*ref_args), layer_tail_reference(*ref_args, eps=EPS), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_are_value_errors():
+    case = Case(t=2, group=2, head_dim=16, page_size=4, kv_lens=(5, 9))
+    (q, k, v, table, kv_lens, q_lens, x, o, gain, gate_up, down), _ = _operands(case, 32, 48)
+    call = lambda **kw: layer_tail(*{**dict(q=q, k=k, v=v, table=table, kv_lens=kv_lens, q_lens=q_lens, x=x, o=o,  # noqa: E731
+                                            gain=gain, gate_up=gate_up, down=down), **kw}.values(), eps=EPS)
+    with pytest.raises(ValueError, match="x must be"):
+        call(x=x[:1])
+    with pytest.raises(ValueError, match="gain must be"):
+        call(gain=gain[:8])
+    with pytest.raises(ValueError, match="o_w must be packed"):
+        call(o=o.reshape(o.shape[0], -1))
+    with pytest.raises(ValueError, match="down_w must pack"):
+        call(down=pack_rows(jnp.ones((32, 24), jnp.float32)))  # K = 24 padded to 32: not this MLP's 48
+    with pytest.raises(ValueError, match="block_tables"):
+        call(table=table[:1])
