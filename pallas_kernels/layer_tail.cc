@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_common.h"
@@ -56,6 +57,62 @@ bool packed_shape(const ffi::Buffer<ffi::F32>& w, Packed& p) {
   return true;
 }
 
+// The buffers of the layer's phases after the K/V write.
+struct TailBuffers {
+  std::vector<float> attn, h, hn, gate_up, act;
+  TailBuffers(int64_t M, int64_t QS, int64_t H, int64_t I)
+      : attn(M * QS), h(M * H), hn(M * H), gate_up(M * 2 * I), act(M * I) {}
+};
+
+// Appends the phases from the attention to the end of the layer: out [M, H] = x + ... (above).
+void tail_phases(std::vector<jspec_cpu::Phase>& phases, jspec_cpu::AttentionPlan& plan, TailBuffers& b,
+                 const float* x, const ffi::Buffer<ffi::F32>& o_w, const float* gain,
+                 const ffi::Buffer<ffi::F32>& gate_up_w, const ffi::Buffer<ffi::F32>& down_w, float* out, int64_t M,
+                 int64_t QS, int64_t H, int64_t I, float eps) {
+  using jspec_cpu::Phase;
+  using jspec_cpu::product_chunk;
+  using jspec_cpu::product_chunks;
+  const float *ow = o_w.typed_data(), *guw = gate_up_w.typed_data(), *dw = down_w.typed_data();
+  const int64_t silu_blocks = (I + kSiluBlock - 1) / kSiluBlock;
+  phases.push_back(Phase{plan.num_units, [&plan](int64_t u) { plan.run(u); }});
+  phases.push_back(Phase{1, [&plan, &b](int64_t) { plan.combine(b.attn.data()); }});
+  phases.push_back(Phase{product_chunks(H),
+                         [=, &b](int64_t c) { product_chunk(b.attn.data(), ow, b.h.data(), x, M, QS, H, true, c); },
+                         ow, static_cast<int64_t>(o_w.size_bytes())});
+  phases.push_back(Phase{1, [=, &b](int64_t) { jspec_cpu::rms_norm_rows(b.h.data(), gain, b.hn.data(), M, H, H, eps); }});
+  phases.push_back(Phase{product_chunks(2 * I),
+                         [=, &b](int64_t c) { product_chunk(b.hn.data(), guw, b.gate_up.data(), nullptr, M, H, 2 * I,
+                                                            true, c); },
+                         guw, std::min<int64_t>(gate_up_w.size_bytes(), 1 << 20)});
+  phases.push_back(Phase{M * silu_blocks, [=, &b](int64_t u) {
+                           const int64_t m = u / silu_blocks, i0 = (u % silu_blocks) * kSiluBlock;
+                           const float* row = b.gate_up.data() + m * 2 * I;
+                           silu_times(row + i0, row + I + i0, b.act.data() + m * I + i0, std::min(kSiluBlock, I - i0));
+                         }});
+  phases.push_back(Phase{product_chunks(H),
+                         [=, &b](int64_t c) { product_chunk(b.act.data(), dw, out, b.h.data(), M, I, H, true, c); },
+                         dw, std::min<int64_t>(down_w.size_bytes(), 1 << 20)});
+}
+
+// Checks the tail's operands against the attention's shapes; sets M, H, QS (= Hq D) and I.
+ffi::Error tail_shapes(const jspec_cpu::AttentionShapes& s, const ffi::Buffer<ffi::F32>& x,
+                       const ffi::Buffer<ffi::F32>& o_w, const ffi::Buffer<ffi::F32>& gain,
+                       const ffi::Buffer<ffi::F32>& gate_up_w, const ffi::Buffer<ffi::F32>& down_w, int64_t& M,
+                       int64_t& H, int64_t& QS, int64_t& I) {
+  const auto xd = x.dimensions();
+  Packed o, gu, dn;
+  if (xd.size() != 2 || !packed_shape(o_w, o) || !packed_shape(gate_up_w, gu) || !packed_shape(down_w, dn)) {
+    return ffi::Error::InvalidArgument("layer_tail: expected x [M, H] and packed o, gate_up and down weights");
+  }
+  M = xd[0], H = xd[1], QS = s.Hq * s.D, I = gu.N / 2;
+  if (M != s.B * s.T || o.N != H || o.K != QS || gu.K != H || gu.N % 2 || dn.N != H || dn.K != I ||
+      gain.element_count() != H) {
+    return ffi::Error::InvalidArgument("layer_tail: shapes disagree: x [B T, H], o [H, Hq D], gate_up [2 I, H], "
+                                       "down [H, I], gain [H]");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> x,
@@ -63,47 +120,96 @@ ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> down_w, ffi::ResultBuffer<ffi::F32> out, float eps) {
   jspec_cpu::AttentionShapes s;
   if (auto e = jspec_cpu::attention_shapes(q, k_pages, block_tables, s); e.failure()) return e;
-  const auto xd = x.dimensions();
-  Packed o, gu, dn;
-  if (xd.size() != 2 || !packed_shape(o_w, o) || !packed_shape(gate_up_w, gu) || !packed_shape(down_w, dn)) {
-    return ffi::Error::InvalidArgument("layer_tail: expected x [M, H] and packed o, gate_up and down weights");
-  }
-  const int64_t M = xd[0], H = xd[1], QS = s.Hq * s.D, I = gu.N / 2;
-  if (M != s.B * s.T || o.N != H || o.K != QS || gu.K != H || gu.N % 2 || dn.N != H || dn.K != I ||
-      gain.element_count() != H) {
-    return ffi::Error::InvalidArgument("layer_tail: shapes disagree: x [B T, H], o [H, Hq D], gate_up [2 I, H], "
-                                       "down [H, I], gain [H]");
-  }
+  int64_t M, H, QS, I;
+  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M, H, QS, I); e.failure()) return e;
   jspec_cpu::AttentionPlan plan(s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
                                 block_tables.typed_data(), kv_lens.typed_data(), q_lens.typed_data());
-  std::vector<float> attn(M * QS), h(M * H), hn(M * H), gate_up(M * 2 * I), act(M * I);
-  const float* xp = x.typed_data();
-  float* yp = out->typed_data();
-  const int64_t silu_blocks = (I + kSiluBlock - 1) / kSiluBlock;
+  TailBuffers b(M, QS, H, I);
+  std::vector<jspec_cpu::Phase> phases;
+  tail_phases(phases, plan, b, x.typed_data(), o_w, gain.typed_data(), gate_up_w, down_w, out->typed_data(), M, QS,
+              H, I, eps);
+  jspec_cpu::run_phases(pool, std::move(phases));
+  return ffi::Error::Success();
+}
+
+// The whole decoder layer: RMSNorm(x; in_gain) through the packed QKV product [(Hq + 2 KVH) D, H],
+// RoPE on q and k (rotate-half, cos and sin [M, D] of each row's position), k and v written into
+// the pages (rows t < q_lens[b], at position start[b] + t; a slot past the table or a page id
+// outside the pool is dropped, as jspec.cache.paged.write_kv drops it), then the tail. The pages
+// are updated in place (k_out, v_out alias k_pages, v_pages).
+ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> qkv_w,
+                            ffi::Buffer<ffi::F32> in_gain, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                            ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> start,
+                            ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> o_w, ffi::Buffer<ffi::F32> gain,
+                            ffi::Buffer<ffi::F32> gate_up_w, ffi::Buffer<ffi::F32> down_w,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
+                            ffi::ResultBuffer<ffi::F32> v_out, float eps) {
+  const auto kd = k_pages.dimensions(), td = block_tables.dimensions(), xd = x.dimensions();
+  Packed qkv;
+  if (kd.size() != 4 || td.size() != 2 || xd.size() != 2 || cos.dimensions().size() != 2 || !packed_shape(qkv_w, qkv)) {
+    return ffi::Error::InvalidArgument("decoder_layer: expected x [M, H], packed qkv, cos [M, D], pages [KVH, P, S, D], "
+                                       "block_tables [B, W]");
+  }
+  const int64_t KVH = kd[0], P = kd[1], S = kd[2], D = kd[3], B = td[0], W = td[1];
+  const int64_t M = xd[0], H = xd[1], KS = KVH * D, QS = qkv.N - 2 * KS;
+  if (B == 0 || M % B || QS <= 0 || QS % D || qkv.K != H || in_gain.element_count() != H || D % 2 ||
+      cos.element_count() != M * D || sin.element_count() != M * D || start.element_count() != B ||
+      q_lens.element_count() != B || v_pages.element_count() != k_pages.element_count()) {
+    return ffi::Error::InvalidArgument("decoder_layer: shapes disagree");
+  }
+  const int64_t T = M / B, Hq = QS / D;
+  float* kp = k_out->typed_data();
+  float* vp = v_out->typed_data();
+  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
+  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
+  std::vector<float> q(M * QS), xn(M * H), qkv_rows(M * qkv.N);
+  std::vector<int32_t> kv_lens(B);
+  const int32_t* st = start.typed_data();
+  const int32_t* ql = q_lens.typed_data();
+  for (int64_t b = 0; b < B; ++b) kv_lens[b] = st[b] + ql[b];
+  const jspec_cpu::AttentionShapes s{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
+  if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
+  int64_t M2, H2, QS2, I;
+  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M2, H2, QS2, I); e.failure()) return e;
+  jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, block_tables.typed_data(), kv_lens.data(), ql);
+  TailBuffers b(M, QS, H, I);
+  const float *xp = x.typed_data(), *g = in_gain.typed_data(), *wq = qkv_w.typed_data();
+  const float *cp = cos.typed_data(), *sp = sin.typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  const int64_t NQ = qkv.N, half = D / 2;
   using jspec_cpu::Phase;
-  using jspec_cpu::product_chunk;
-  using jspec_cpu::product_chunks;
-  jspec_cpu::run_phases(pool, {
-      Phase{plan.num_units, [&](int64_t u) { plan.run(u); }},
-      Phase{1, [&](int64_t) { plan.combine(attn.data()); }},
-      Phase{product_chunks(H),
-            [&](int64_t c) { product_chunk(attn.data(), o_w.typed_data(), h.data(), xp, M, QS, H, true, c); },
-            o_w.typed_data(), static_cast<int64_t>(o_w.size_bytes())},
-      Phase{1, [&](int64_t) { jspec_cpu::rms_norm_rows(h.data(), gain.typed_data(), hn.data(), M, H, H, eps); }},
-      Phase{product_chunks(2 * I),
-            [&](int64_t c) { product_chunk(hn.data(), gate_up_w.typed_data(), gate_up.data(), nullptr, M, H, 2 * I,
-                                           true, c); },
-            gate_up_w.typed_data(), std::min<int64_t>(gate_up_w.size_bytes(), 1 << 20)},
-      Phase{M * silu_blocks,
-            [&](int64_t u) {
-              const int64_t m = u / silu_blocks, i0 = (u % silu_blocks) * kSiluBlock;
-              const float* row = gate_up.data() + m * 2 * I;
-              silu_times(row + i0, row + I + i0, act.data() + m * I + i0, std::min(kSiluBlock, I - i0));
-            }},
-      Phase{product_chunks(H),
-            [&](int64_t c) { product_chunk(act.data(), down_w.typed_data(), yp, h.data(), M, I, H, true, c); },
-            down_w.typed_data(), std::min<int64_t>(down_w.size_bytes(), 1 << 20)},
-  });
+  std::vector<Phase> phases;
+  phases.push_back(Phase{1, [&, M, H](int64_t) { jspec_cpu::rms_norm_rows(xp, g, xn.data(), M, H, H, eps); }});
+  phases.push_back(Phase{jspec_cpu::product_chunks(NQ),
+                         [&, M, H, NQ](int64_t c) {
+                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, true, c);
+                         },
+                         wq, static_cast<int64_t>(qkv_w.size_bytes())});
+  phases.push_back(Phase{M, [&](int64_t m) {  // row m = (b, t): rotate q and k, write k and v
+    const float* row = qkv_rows.data() + m * NQ;
+    const float *c = cp + m * D, *sn = sp + m * D;
+    auto rotate = [&](const float* in, float* o) {
+      for (int64_t d = 0; d < half; ++d) {
+        o[d] = in[d] * c[d] + -in[d + half] * sn[d];
+        o[d + half] = in[d + half] * c[d + half] + in[d] * sn[d + half];
+      }
+    };
+    for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, q.data() + m * QS + h * D);
+    const int64_t bi = m / T, t = m % T;
+    if (t >= ql[bi]) return;
+    const int64_t pos = st[bi] + t, slot = pos / S;
+    if (pos < 0 || slot >= W) return;
+    const int64_t page = tables[bi * W + slot];
+    if (page < 0 || page >= P) return;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t at = ((h * P + page) * S + pos % S) * D;
+      rotate(row + QS + h * D, kp + at);
+      std::memcpy(vp + at, row + QS + KS + h * D, sizeof(float) * D);
+    }
+  }});
+  tail_phases(phases, plan, b, xp, o_w, gain.typed_data(), gate_up_w, down_w, out->typed_data(), M, QS, H, I, eps);
+  jspec_cpu::run_phases(pool, std::move(phases));
   return ffi::Error::Success();
 }
 
@@ -124,4 +230,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecLayerTail, LayerTailImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_proj, packed
                                   .Arg<ffi::Buffer<ffi::F32>>()   // down_proj, packed
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, H]: the layer's input
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_proj, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // in_gain [H]: input RMSNorm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_pages [KVH, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_pages [KVH, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start [B]: cache lengths before
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_proj, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gain [H]: post-attention RMSNorm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_proj, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_proj, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // k_pages, written (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // v_pages, written (aliased)
                                   .Attr<float>("eps"));

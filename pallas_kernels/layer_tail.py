@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_kernels import available
-from pallas_kernels.paged_verify_attention import check_paged_verify_args, paged_verify_attention_reference
-from pallas_kernels.small_rows import LANES, PACK_ROWS, fused_small_rows_reference
+from pallas_kernels.paged_verify_attention import check_paged_verify_args, paged_verify_attention_reference, write_kv
+from pallas_kernels.small_rows import LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference
 
 TARGET = "jspec_layer_tail"
+LAYER_TARGET = "jspec_decoder_layer"
 
 
 def layer_tail_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w,
@@ -66,8 +67,9 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
 
 
 def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
-    """Whether the kernel can run these operands: float32, head_dim <= 256, weights packed
-    without padding (each product's K a multiple of 16, N of 4), kernels built."""
+    """Whether the kernel can run these operands (arrays or ``jax.ShapeDtypeStruct`` s): float32,
+    head_dim <= 256, weights packed without padding (each product's K a multiple of 16, N of 4),
+    kernels built."""
     hidden, (b, t, hq, d) = x.shape[-1], q.shape
     inter2 = gate_up_w.shape[0] * PACK_ROWS
     return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and d <= 256 and inter2 % 2 == 0
@@ -106,18 +108,123 @@ def _tail_fwd(*args):
     return _tail(*args), args[:11]
 
 
-def _tail_bwd(eps, res, dy):
-    floats = (0, 1, 2, 6, 7, 8, 9, 10)  # the integer operands (tables, lengths) get no cotangent
+def _reference_vjp(reference, res, ints, dy):
+    """The reference's cotangents for the float operands in ``res``; None for the integer ones."""
+    floats = [i for i in range(len(res)) if i not in ints]
 
     def f(*fl):
         full = list(res)
         for i, v in zip(floats, fl):
             full[i] = v
-        return layer_tail_reference(*full, eps=eps)
+        return reference(*full)
 
     _, vjp = jax.vjp(f, *(res[i] for i in floats))
     grads = dict(zip(floats, vjp(dy)))
-    return tuple(grads.get(i) for i in range(11))
+    return tuple(grads.get(i) for i in range(len(res)))
+
+
+def _tail_bwd(eps, res, dy):
+    return _reference_vjp(functools.partial(layer_tail_reference, eps=eps), res, (3, 4, 5), dy)
 
 
 _tail.defvjp(_tail_fwd, _tail_bwd)
+
+
+# ---------------------------------------------------------------------------- the whole layer
+def rotate(x, cos, sin):
+    """Rotate-half RoPE of ``x`` [..., heads, D] with ``cos`` / ``sin`` [..., D] of each row's
+    position (jspec.models.llama.apply_rope)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain,
+                            gate_up_w, down_w, eps: float):
+    """:func:`decoder_layer` in plain ``jnp``: -> (out [M, H], k_pages, v_pages)."""
+    b, w = block_tables.shape
+    kvh, _, _, d = k_pages.shape
+    t = x.shape[0] // b
+    qkv = fused_small_rows_reference(x, qkv_w, qkv_w.shape[0] * PACK_ROWS, scale=in_gain, eps=eps)
+    q_cols = qkv.shape[-1] - 2 * kvh * d
+    q, k, v = jnp.split(qkv.reshape(b, t, -1), [q_cols, q_cols + kvh * d], axis=-1)
+    cos, sin = cos.reshape(b, t, d), sin.reshape(b, t, d)
+    q = rotate(q.reshape(b, t, -1, d), cos, sin)
+    k_pages = write_kv(k_pages, rotate(k.reshape(b, t, kvh, d), cos, sin), block_tables, start, q_lens)
+    v_pages = write_kv(v_pages, v.reshape(b, t, kvh, d), block_tables, start, q_lens)
+    out = layer_tail_reference(q, k_pages, v_pages, block_tables, start + q_lens, q_lens, x, o_w, gain, gate_up_w,
+                               down_w, eps)
+    return out, k_pages, v_pages
+
+
+def decoder_layer_applies(q_shape, x, qkv_w, k_pages, o_w, gate_up_w, down_w) -> bool:
+    """Whether :func:`decoder_layer` runs on the kernel: :func:`applies` for queries of
+    ``q_shape`` [B, T, Hq, D], and the QKV weight packed without padding."""
+    b, t, hq, d = q_shape
+    q = jax.ShapeDtypeStruct(q_shape, x.dtype)
+    n = (hq + 2 * k_pages.shape[0]) * d
+    return (qkv_w.shape[0] * PACK_ROWS == n and qkv_w.shape[1] * LANES == x.shape[-1] and d % 2 == 0
+            and applies(q, k_pages, x, o_w, gate_up_w, down_w))
+
+
+def _layer_kernel(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w,
+                  down_w, *, eps):
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    return tuple(jax.ffi.ffi_call(LAYER_TARGET, outs, vmap_method="sequential", input_output_aliases={5: 1, 6: 2})(
+        x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w,
+        eps=np.float32(eps)))
+
+
+def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w,
+                  down_w, eps: float):
+    """A Llama decoder layer for a few rows in one kernel call: ``x`` [B T, H] through RMSNorm
+    (``in_gain``) and the packed QKV product ``qkv_w`` [(Hq + 2 KVH) D, H], RoPE on q and k with
+    ``cos`` / ``sin`` [B T, D], k and v written into the pages (rows t < ``q_lens[b]`` at
+    position ``start[b] + t``, as :func:`pallas_kernels.paged_verify_attention.write_kv`), then
+    :func:`layer_tail`. Returns (out [B T, H], k_pages, v_pages); on the kernel the pages are
+    written in place (donate them, or XLA copies them first). Where the kernel does not apply
+    (:func:`decoder_layer_applies`), and for gradients, :func:`decoder_layer_reference`."""
+    b = block_tables.shape[0]
+    if x.ndim != 2 or x.shape[0] % b:
+        raise ValueError(f"decoder_layer: x must be [B * T, H] for B = {b}, got shape {x.shape}")
+    kvh, _, _, d = k_pages.shape
+    check_small_rows_args(x, qkv_w, qkv_w.shape[0] * PACK_ROWS)
+    q_cols = qkv_w.shape[0] * PACK_ROWS - 2 * kvh * d
+    if q_cols <= 0 or q_cols % d:
+        raise ValueError(f"decoder_layer: qkv_w's rows ({qkv_w.shape[0] * PACK_ROWS}) are not (Hq + 2 KVH) x {d}")
+    t = x.shape[0] // b
+    q_shape = (b, t, q_cols // d, d)
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (x.shape[0], d):
+            raise ValueError(f"decoder_layer: {name} must be [{x.shape[0]}, {d}], got shape {a.shape}")
+    if in_gain.shape != (x.shape[-1],):
+        raise ValueError(f"decoder_layer: in_gain must be [{x.shape[-1]}], got shape {in_gain.shape}")
+    check_layer_tail_args(jax.ShapeDtypeStruct(q_shape, x.dtype), k_pages, v_pages, block_tables, start + q_lens,
+                          q_lens, x, o_w, gain, gate_up_w, down_w)
+    args = (x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w)
+    if not decoder_layer_applies(q_shape, x, qkv_w, k_pages, o_w, gate_up_w, down_w):
+        return decoder_layer_reference(*args, eps=eps)
+    return _layer(*args, float(eps))
+
+
+_LAYER_INTS = (7, 8, 9)  # block_tables, start, q_lens: no cotangents
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(14,))
+def _layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w,
+           eps):
+    args = (x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w)
+    return jax.lax.platform_dependent(*args, cpu=functools.partial(_layer_kernel, eps=eps),
+                                      default=functools.partial(decoder_layer_reference, eps=eps))
+
+
+def _layer_fwd(*args):
+    return _layer(*args), args[:14]
+
+
+def _layer_bwd(eps, res, dy):
+    return _reference_vjp(functools.partial(decoder_layer_reference, eps=eps), res, _LAYER_INTS, dy)
+
+
+_layer.defvjp(_layer_fwd, _layer_bwd)

@@ -99,6 +99,28 @@ def _check_concrete_lens(kv_lens, q_lens, t, capacity) -> None:
         raise ValueError(f"kv_lens {kv.tolist()} must be >= q_lens (= T = {t})")
 
 
+def write_kv(
+    pages: jax.Array,  # [KVH, P, S, D]
+    new: jax.Array,  # [B, T, KVH, D]
+    block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
+    start: jax.Array,  # int32 [B]: position of row 0
+    q_lens: jax.Array,  # int32 [B]: rows t < q_lens[b] are written, the rest dropped
+) -> jax.Array:
+    """Scatter ``new[b, t]`` to position ``start[b] + t`` of sequence b's pages: the K/V write the
+    contract assumes has happened before attention (jspec.cache.paged.write_kv; the CPU decoder-layer
+    kernel, pallas_kernels.layer_tail, does the same in place). A slot past the table or a row
+    t >= q_lens[b] is dropped."""
+    _, num_pages, page_size, _ = pages.shape
+    t = new.shape[1]
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    slot = pos // page_size
+    page = jnp.take_along_axis(block_tables, slot, axis=1, mode="clip")
+    keep = (jnp.arange(t)[None, :] < q_lens[:, None]) & (slot < block_tables.shape[1])
+    page = jnp.where(keep, page, num_pages)  # out of range: dropped
+    vals = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [KVH, B, T, D]
+    return pages.at[:, page, pos % page_size].set(vals, mode="drop")
+
+
 def paged_verify_attention_reference(
     q: jax.Array,  # [B, T, Hq, D]
     k_pages: jax.Array,  # [KVH, P, S, D]

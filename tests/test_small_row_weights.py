@@ -120,19 +120,23 @@ def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
                                                                            plain.stats.num_drafts)
 
 
-def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on):
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qkv-bias"])
+def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on, qkv_bias):
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
-    residual adds inside the kernel calls: with the cpu attention, one fused QKV product
-    (pallas_kernels.small_rows.fused_small_rows) and one call for the rest of the layer after the
-    K/V write (pallas_kernels.layer_tail: attention, o_proj, norm, MLP); with another attention, 4
-    fused products per layer. No plain product either way, and the logits, hidden states and cache
-    equal the plain parameters' up to float rounding. A step of more rows folds nothing."""
+    residual adds inside kernel calls. With the cpu attention the whole layer is one call
+    (pallas_kernels.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
+    norm, MLP), or, where the QKV has a bias (Qwen2), one fused QKV product
+    (pallas_kernels.small_rows.fused_small_rows) and one call for the rest after the K/V write
+    (layer_tail); with another attention, 4 fused products. No plain product either way, and the
+    logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
+    more rows folds nothing."""
     from jspec.models.llama import forward
     from jspec.train.objectives import fresh_cache
+    from pallas_kernels.layer_tail import LAYER_TARGET
     from pallas_kernels.layer_tail import TARGET as TAIL_TARGET
     from pallas_kernels.small_rows import FUSED_TARGET, TARGET
 
-    model = tiny_model(tiny_config(num_layers=2), scale=2.0)
+    model = tiny_model(tiny_config(num_layers=2, qkv_bias=qkv_bias), scale=2.0)
     cfg = model.config
     layers = cfg.num_layers
     packed = with_small_row_weights(model.params)
@@ -145,9 +149,11 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
 
             text = jax.jit(step).lower(packed).as_text()
             folded = rows in KERNEL_ROWS
-            tail = folded and attention == "cpu"
+            cpu = folded and attention == "cpu"
+            whole, tail = cpu and not qkv_bias, cpu and qkv_bias
+            assert text.count(f"@{LAYER_TARGET}(") == (layers if whole else 0)
             assert text.count(f"@{TAIL_TARGET}(") == (layers if tail else 0)
-            assert text.count(f"@{FUSED_TARGET}(") == (layers if tail else 4 * layers if folded else 0)
+            assert text.count(f"@{FUSED_TARGET}(") == (0 if whole else layers if tail else 4 * layers if folded else 0)
             assert text.count(f"@{TARGET}(") == 0  # every projection folded something in (this LM head is untied)
             got, want = jax.jit(step)(packed), jax.jit(step)(model.params)
             np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=1e-4)

@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_verify_attention import write_kv  # noqa: F401  (the cache's write; the kernels' layer owns it)
+
 PAGE_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # logical axes of a page array (jspec.parallel)
 
 
@@ -77,20 +79,3 @@ def init_cache(
     )
 
 
-def write_kv(
-    pages: jax.Array,  # [KVH, P, S, D]
-    new: jax.Array,  # [B, T, KVH, D]
-    block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
-    start: jax.Array,  # int32 [B]: position of row 0
-    q_lens: jax.Array,  # int32 [B]: rows t < q_lens[b] are written, the rest dropped
-) -> jax.Array:
-    """Scatter ``new[b, t]`` to position ``start[b] + t`` of sequence b's pages."""
-    _, num_pages, page_size, _ = pages.shape
-    t = new.shape[1]
-    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    slot = pos // page_size
-    page = jnp.take_along_axis(block_tables, slot, axis=1, mode="clip")
-    keep = (jnp.arange(t)[None, :] < q_lens[:, None]) & (slot < block_tables.shape[1])
-    page = jnp.where(keep, page, num_pages)  # out of range: dropped
-    vals = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [KVH, B, T, D]
-    return pages.at[:, page, pos % page_size].set(vals, mode="drop")

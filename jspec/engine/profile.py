@@ -113,6 +113,7 @@ OP_CATEGORIES = (
     ("down_proj", r"/down_proj/"),
     ("attention", r"/verify_attention/"),
     ("layer_tail", r"/layer_tail/"),
+    ("decoder_layer", r"/decoder_layer/"),
     ("kv_write", r"/kv_write/"),
     ("norms", r"layernorm|/norm/|RMSNorm"),
     ("rope+elementwise", r"/layer_\d+/"),

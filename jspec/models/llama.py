@@ -68,14 +68,16 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., D] of RoPE's angles at ``positions`` int32 [...]."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., D/2]
+    return (jnp.concatenate([jnp.cos(angles)] * 2, axis=-1).astype(dtype),
+            jnp.concatenate([jnp.sin(angles)] * 2, axis=-1).astype(dtype))
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return layer_tail.rotate(x, *rope_cos_sin(positions, inv_freq, x.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -274,6 +276,8 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         tp = cfg.tensor_parallel
+        if mlp is not None and self._layer_fuses(x, metas, k_pages, norm, residual, mlp):
+            return self._whole_layer(x, metas[0], k_pages, v_pages, norm, mlp)
         # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
         qkv = Linear(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
                      name="qkv_proj")(x, norm=norm)  # [M, (Hq + 2 KVH) D]
@@ -311,6 +315,31 @@ class Attention(nn.Module):
         o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
         out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual)
         return (out, k_pages, v_pages) if mlp is None else (out, k_pages, v_pages, False)
+
+    def _layer_fuses(self, x, metas, k_pages, norm, residual, mlp) -> bool:
+        """Whether the whole layer runs as one kernel call (pallas_kernels.layer_tail.decoder_layer):
+        the tail's conditions (:meth:`_tail_fuses`), the input norm given, no QKV bias, and the
+        packed QKV weight fitting the kernel."""
+        cfg = self.config
+        p = self.variables.get("params", {})
+        qkv_w, o_w = p.get("qkv_proj", {}).get("weight"), p.get("o_proj", {}).get("weight")
+        if (isinstance(metas, DenseContext) or norm is None or cfg.qkv_bias or qkv_w is None
+                or not self._tail_fuses(metas, jax.ShapeDtypeStruct((*metas[0].shape, cfg.num_heads, cfg.head_dim),
+                                                                    x.dtype), k_pages, residual, o_w, mlp)):
+            return False
+        return layer_tail.decoder_layer_applies((*metas[0].shape, cfg.num_heads, cfg.head_dim), x, qkv_w, k_pages,
+                                                o_w, mlp[2], mlp[3])
+
+    def _whole_layer(self, x, m: _Meta, k_pages, v_pages, norm, mlp):
+        cfg = self.config
+        p = self.variables["params"]
+        cos, sin = rope_cos_sin(m.positions.reshape(-1), rope_inv_freq(cfg), x.dtype)
+        gain, eps, gate_up_w, down_w = mlp
+        with jax.named_scope("decoder_layer"):
+            out, k_pages, v_pages = layer_tail.decoder_layer(
+                x, p["qkv_proj"]["weight"], norm[0], cos, sin, k_pages, v_pages, m.block_tables, m.start, m.q_lens,
+                p["o_proj"]["weight"], gain, gate_up_w, down_w, eps)
+        return out, k_pages, v_pages, True
 
     def _tail_fuses(self, metas, q, k_pages, residual, o_w, mlp) -> bool:
         """Whether the layer after the K/V write runs as one kernel call: one segment, the cpu

@@ -1,7 +1,9 @@
 """The CPU layer-tail kernel (pallas_kernels/layer_tail.cc: attention, o_proj + residual,
-RMSNorm, gate/up, SwiGLU, down_proj + residual in one call) against its reference: poisoned
-pages and table slots, ragged q_lens and kv_lens across 256-key chunks, empty sequences, GQA;
-a row's result independent of the rows beside it; its gradient; where it lowers; bad shapes."""
+RMSNorm, gate/up, SwiGLU, down_proj + residual in one call) and the whole-layer kernel (RMSNorm,
+QKV, RoPE and the K/V write before it) against their references: poisoned pages and table
+slots, ragged q_lens and kv_lens across 256-key chunks, empty sequences, GQA; the pages written
+where write_kv writes and nowhere else; a row's result independent of the rows beside it; the
+gradients; where they lower; bad shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,14 @@ import pytest
 
 from attention_cases import Case, make_inputs
 from pallas_kernels import cpu_kernels
-from pallas_kernels.layer_tail import TARGET, layer_tail, layer_tail_reference
+from pallas_kernels.layer_tail import (
+    LAYER_TARGET,
+    TARGET,
+    decoder_layer,
+    decoder_layer_reference,
+    layer_tail,
+    layer_tail_reference,
+)
 from pallas_kernels.small_rows import pack_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
@@ -114,3 +123,99 @@ def test_bad_shapes_are_value_errors():
         call(down=pack_rows(jnp.ones((32, 24), jnp.float32)))  # K = 24 padded to 32: not this MLP's 48
     with pytest.raises(ValueError, match="block_tables"):
         call(table=table[:1])
+
+
+# ---------------------------------------------------------------------------- the whole layer
+def _layer_operands(case: Case, hidden: int, inter: int, seed: int = 0):
+    """Operands of decoder_layer: (kernel's, reference's), the pages poisoned past each
+    sequence's keys for the kernel; ``case.kv_lens`` are the lengths after the step's rows."""
+    kernel_args, ref_args = make_inputs(case, seed=seed)
+    _, k_bad, v_bad, tables_bad, kv_lens, _ = kernel_args
+    _, k, v, tables, _, _ = ref_args
+    b, t, hq, d = kernel_args[0].shape
+    kvh = k.shape[0]
+    q_lens = jnp.asarray(case.q_lens or (t,) * b, jnp.int32)
+    start = kv_lens - q_lens
+    rng = np.random.default_rng(seed + 1)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    x = f(b * t, hidden)
+    qkv = pack_rows(f((hq + 2 * kvh) * d, hidden) / np.sqrt(hidden))
+    angles = (np.asarray(start)[:, None] + np.arange(t)[None, :]).reshape(-1, 1) * 0.1 ** np.arange(d // 2)
+    cos, sin = (jnp.asarray(np.concatenate([fn(angles)] * 2, -1), jnp.float32) for fn in (np.cos, np.sin))
+    o, gain, gate_up, down = _weights(hq * d, hidden, inter, seed + 2)
+    head = (x, qkv, 1.0 + 0.1 * f(hidden), cos, sin)
+    tail = (start, q_lens, pack_rows(o), gain, pack_rows(gate_up), pack_rows(down))
+    return (*head, k_bad, v_bad, tables_bad, *tail), (*head, k, v, tables, *tail)
+
+
+LAYER_CASES = [
+    (Case(t=1, group=3, head_dim=64, page_size=16, kv_lens=(1, 17, 100), kv_heads=3), 576, 1536),  # SmolLM2 decode
+    (Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(600, 257), q_lens=(5, 3), kv_heads=3), 576, 1536),
+    (Case(t=4, group=2, head_dim=16, page_size=8, kv_lens=(4, 0, 300), q_lens=(4, 0, 2), garbage="mixed"), 64, 128),
+]
+
+
+@pytest.mark.parametrize("case,hidden,inter", LAYER_CASES,
+                         ids=lambda c: str(c) if isinstance(c, int) else f"t{c.t}-kv{max(c.kv_lens)}")
+def test_whole_layer_matches_the_reference(case, hidden, inter):
+    kernel_args, ref_args = _layer_operands(case, hidden, inter, seed=case.t + hidden)
+    f = jax.jit(lambda *a: decoder_layer(*a, eps=EPS))
+    assert LAYER_TARGET in f.lower(*kernel_args).as_text()
+    out, k, v = f(*kernel_args)
+    ref_out, ref_k, ref_v = decoder_layer_reference(*ref_args, eps=EPS)
+    assert np.isfinite(np.asarray(out)).all(), "the kernel read a poisoned value"
+    np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-5 * np.abs(ref_out).max())
+    # the written slots hold the reference's K/V; every other slot is what it was (NaN stays NaN)
+    for i, got, want in ((5, k, ref_k), (6, v, ref_v)):
+        got, want, before = np.asarray(got), np.asarray(want), np.asarray(kernel_args[i])
+        written = want != np.asarray(ref_args[i])
+        assert written.any()
+        np.testing.assert_allclose(got[written], want[written], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[~written], before[~written])
+
+
+def test_whole_layer_rows_do_not_depend_on_the_rows_beside_them():
+    """The whole layer, too: a decode row and the same row first in a verification step (its
+    drafts written behind it) give the same bits, and so do the K/V they write."""
+    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(700,), kv_heads=3)
+    args, _ = _layer_operands(case, 576, 1536, seed=9)
+    x, qkv, in_gain, cos, sin, k, v, table, _, _, *weights = args
+    f = jax.jit(lambda *a: decoder_layer(*a, eps=EPS))
+    pos = 600
+    verify = f(x, qkv, in_gain, cos, sin, k, v, table, jnp.array([pos], jnp.int32), jnp.array([5], jnp.int32), *weights)
+    for t in range(5):
+        alone = f(x[t:t + 1], qkv, in_gain, cos[t:t + 1], sin[t:t + 1], verify[1], verify[2], table,
+                  jnp.array([pos + t], jnp.int32), jnp.array([1], jnp.int32), *weights)
+        assert (np.asarray(alone[0][0]) == np.asarray(verify[0][t])).all(), t
+        assert np.array_equal(alone[1], verify[1], equal_nan=True), t  # the same K over itself (NaN: poisoned slots)
+
+
+def test_whole_layer_gradient_is_the_references():
+    case = Case(t=2, group=2, head_dim=16, page_size=4, kv_lens=(5, 9))
+    _, args = _layer_operands(case, 32, 48, seed=11)
+
+    def loss(fn, x, qkv, o):
+        out, k, v = fn(x, qkv, *args[2:10], o, *args[11:], eps=EPS)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(k))
+
+    got = jax.grad(lambda *p: loss(decoder_layer, *p), argnums=(0, 1, 2))(args[0], args[1], args[10])
+    want = jax.grad(lambda *p: loss(decoder_layer_reference, *p), argnums=(0, 1, 2))(args[0], args[1], args[10])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_whole_layer_lowers_on_the_cpu_only_and_rejects_bad_shapes():
+    case = Case(t=2, group=2, head_dim=16, page_size=4, kv_lens=(5, 9))
+    args, _ = _layer_operands(case, 32, 48)
+    f = jax.jit(lambda *a: decoder_layer(*a, eps=EPS))
+    for platform in ("cuda", "rocm"):
+        assert LAYER_TARGET not in f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    x, qkv, in_gain, cos, sin, *rest = args
+    with pytest.raises(ValueError, match="cos must be"):
+        decoder_layer(x, qkv, in_gain, cos[:, :8], sin, *rest, eps=EPS)
+    with pytest.raises(ValueError, match="in_gain must be"):
+        decoder_layer(x, qkv, in_gain[:4], cos, sin, *rest, eps=EPS)
+    with pytest.raises(ValueError, match="x must be"):
+        decoder_layer(x[:3], qkv, in_gain, cos[:3], sin[:3], *rest, eps=EPS)
+    with pytest.raises(ValueError, match="qkv_w"):
+        decoder_layer(x, pack_rows(jnp.ones((20, 32), jnp.float32)), in_gain, cos, sin, *rest, eps=EPS)
