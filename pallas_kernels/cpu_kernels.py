@@ -6,8 +6,9 @@ from what the bytes cost have kernels of their own, in C++ beside this file:
 - ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.small_rows`);
 - ``paged_attention_cpu.cc``: verification attention over the pages, read in place
   (:mod:`pallas_kernels.paged_attention_cpu`);
-- ``layer_tail.cc``: both of them for a decoder layer after its K/V write (attention, o_proj,
-  norm, MLP) in one call (:mod:`pallas_kernels.layer_tail`).
+- ``layer_tail.cc``: both of them for a whole decoder layer (norm, QKV, RoPE, the K/V write,
+  attention, o_proj, norm, MLP) in one call, or the part after the K/V write
+  (:mod:`pallas_kernels.layer_tail`).
 
 They are compiled together, at first use, with the machine's C++ compiler (``$CXX`` or ``c++``)
 and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (default

@@ -1,18 +1,23 @@
-"""A decoder layer after its K/V write, in one kernel call on the CPU (``layer_tail.cc``):
-verification attention over the pages, the output projection plus the residual, RMSNorm, the
-gate/up projection, SwiGLU and the down projection plus the residual.
+"""A Llama decoder layer in one kernel call on the CPU (``layer_tail.cc``), whole or from its
+K/V write on:
 
+    decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens,
+                  o_w, gain, gate_up_w, down_w, eps) -> (out [M, H], k_pages, v_pages)
+        RMSNorm, the QKV product, RoPE, k and v written into the pages (in place), then:
     layer_tail(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w, eps)
         -> x + attn o^T + (silu(gate) * up) down^T        [M, H]
+        verification attention over the pages, the output projection plus the residual,
+        RMSNorm, the gate/up projection, SwiGLU, the down projection plus the residual.
 
 A decode step on the CPU is bound by reading the weights, and each kernel call costs the time
-the pool's helper thread takes to join it and the wait for the last chunk; this call runs what
-were four kernel calls and an XLA op (pallas_kernels.paged_attention_cpu, three
-pallas_kernels.small_rows products, silu) as seven phases of one call, the helper joining once.
-The file keeps the kernels' shape: the kernel, a validated wrapper (:func:`layer_tail`, which
-lowers to the kernel on the CPU where it is built and to the reference elsewhere) and
-:func:`layer_tail_reference` in plain ``jnp``, composed of the two kernels' references. Results
-equal the reference's up to float rounding; the gradient is the reference's.
+the pool's helper thread takes to join it and the wait for its last chunk; the layer made five
+kernel calls (pallas_kernels.small_rows products, pallas_kernels.paged_attention_cpu) and a dozen
+small XLA ops, and runs here as the phases of one call, the helper joining once. The file keeps
+the kernels' shape: the kernels, validated wrappers (:func:`decoder_layer`, :func:`layer_tail`,
+which lower to the kernel on the CPU where it is built and to the reference elsewhere) and the
+references in plain ``jnp`` (:func:`decoder_layer_reference`, :func:`layer_tail_reference`),
+composed of the other kernels' references. Results equal the references' up to float rounding;
+the gradients are the references'.
 """
 
 from __future__ import annotations
