@@ -318,14 +318,13 @@ class Attention(nn.Module):
 
     def _layer_fuses(self, x, metas, k_pages, norm, residual, mlp) -> bool:
         """Whether the whole layer runs as one kernel call (pallas_kernels.layer_tail.decoder_layer):
-        the tail's conditions (:meth:`_tail_fuses`), the input norm given, no QKV bias, and the
-        packed QKV weight fitting the kernel."""
+        :meth:`_one_call`, the input norm given, no QKV bias, and the packed weights fitting the
+        kernel (layer_tail.decoder_layer_applies)."""
         cfg = self.config
         p = self.variables.get("params", {})
         qkv_w, o_w = p.get("qkv_proj", {}).get("weight"), p.get("o_proj", {}).get("weight")
         if (isinstance(metas, DenseContext) or norm is None or cfg.qkv_bias or qkv_w is None
-                or not self._tail_fuses(metas, jax.ShapeDtypeStruct((*metas[0].shape, cfg.num_heads, cfg.head_dim),
-                                                                    x.dtype), k_pages, residual, o_w, mlp)):
+                or not self._one_call(metas, residual, o_w)):
             return False
         return layer_tail.decoder_layer_applies((*metas[0].shape, cfg.num_heads, cfg.head_dim), x, qkv_w, k_pages,
                                                 o_w, mlp[2], mlp[3])
@@ -342,13 +341,16 @@ class Attention(nn.Module):
         return out, k_pages, v_pages, True
 
     def _tail_fuses(self, metas, q, k_pages, residual, o_w, mlp) -> bool:
-        """Whether the layer after the K/V write runs as one kernel call: one segment, the cpu
-        attention at its kernel's row counts, one device, a residual, the packed weights present
-        and fitting the kernel (pallas_kernels.layer_tail.applies)."""
-        if (len(metas) != 1 or self.attention != "cpu" or self.config.tensor_parallel != 1 or residual is None
-                or o_w is None or q.shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
-            return False
-        return layer_tail.applies(q, k_pages, residual, o_w, mlp[2], mlp[3])
+        """Whether the layer after the K/V write runs as one kernel call: :meth:`_one_call` and the
+        packed weights fitting the kernel (pallas_kernels.layer_tail.applies)."""
+        return self._one_call(metas, residual, o_w) and layer_tail.applies(q, k_pages, residual, o_w, mlp[2], mlp[3])
+
+    def _one_call(self, metas, residual, o_w) -> bool:
+        """What both kernel calls of pallas_kernels.layer_tail need of the step: one segment of
+        rows the cpu attention's kernel takes, one device, a residual, the packed o_proj."""
+        return (len(metas) == 1 and self.attention == "cpu" and self.config.tensor_parallel == 1
+                and residual is not None and o_w is not None
+                and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
 
 
 class MLP(nn.Module):
