@@ -159,19 +159,19 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("decoder_layer: shapes disagree");
   }
   const int64_t T = M / B, Hq = QS / D;
-  float* kp = k_out->typed_data();
-  float* vp = v_out->typed_data();
-  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
-  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
+  if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
+  const jspec_cpu::AttentionShapes s{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
+  int64_t M2, H2, QS2, I;
+  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M2, H2, QS2, I); e.failure()) return e;
   std::vector<float> q(M * QS), xn(M * H), qkv_rows(M * qkv.N);
   std::vector<int32_t> kv_lens(B);
   const int32_t* st = start.typed_data();
   const int32_t* ql = q_lens.typed_data();
   for (int64_t b = 0; b < B; ++b) kv_lens[b] = st[b] + ql[b];
-  const jspec_cpu::AttentionShapes s{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
-  if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
-  int64_t M2, H2, QS2, I;
-  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M2, H2, QS2, I); e.failure()) return e;
+  float* kp = k_out->typed_data();  // the pages, aliased: written in place (copied first should XLA not alias)
+  float* vp = v_out->typed_data();
+  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
+  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
   jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, block_tables.typed_data(), kv_lens.data(), ql);
   TailBuffers b(M, QS, H, I);
   const float *xp = x.typed_data(), *g = in_gain.typed_data(), *wq = qkv_w.typed_data();

@@ -53,15 +53,12 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
     b, t, hq, d = q.shape
     if x.ndim != 2 or x.shape[0] != b * t:
         raise ValueError(f"layer_tail: x must be [B * T = {b * t}, H], got shape {x.shape}")
-    hidden = x.shape[1]
-    for name, w in (("o_w", o_w), ("gate_up_w", gate_up_w), ("down_w", down_w)):
+    hidden, inter = x.shape[1], gate_up_w.shape[0] * PACK_ROWS // 2
+    for name, w, (n, k) in (("o_w", o_w, (hidden, hq * d)), ("gate_up_w", gate_up_w, (2 * inter, hidden)),
+                            ("down_w", down_w, (hidden, inter))):
         if w.ndim != 4 or w.shape[2:] != (PACK_ROWS, LANES):
             raise ValueError(f"layer_tail: {name} must be packed [N / {PACK_ROWS}, K / {LANES}, {PACK_ROWS}, {LANES}], "
                              f"got shape {w.shape}")
-    inter = gate_up_w.shape[0] * PACK_ROWS // 2
-    want = {"o_w": (hidden, hq * d), "gate_up_w": (2 * inter, hidden), "down_w": (hidden, inter)}
-    for name, w in (("o_w", o_w), ("gate_up_w", gate_up_w), ("down_w", down_w)):
-        n, k = want[name]
         if (w.shape[0] * PACK_ROWS, w.shape[1] * LANES) != (n, k):
             raise ValueError(f"layer_tail: {name} must pack [{n}, {k}] with no padding (N a multiple of "
                              f"{PACK_ROWS}, K of {LANES}), got shape {w.shape}")
@@ -128,8 +125,11 @@ def _reference_vjp(reference, res, ints, dy):
     return tuple(grads.get(i) for i in range(len(res)))
 
 
+_TAIL_INTS = (3, 4, 5)  # block_tables, kv_lens, q_lens: no cotangents
+
+
 def _tail_bwd(eps, res, dy):
-    return _reference_vjp(functools.partial(layer_tail_reference, eps=eps), res, (3, 4, 5), dy)
+    return _reference_vjp(functools.partial(layer_tail_reference, eps=eps), res, _TAIL_INTS, dy)
 
 
 _tail.defvjp(_tail_fwd, _tail_bwd)
