@@ -7,6 +7,8 @@
 //   ./harness hot M [K]      one thread, a 64 x K packed weight (in L2) 20,000 times: G FMA/s
 //   ./harness stream M       two threads, SmolLM2-135M's 30 layers of packed projections and its
 //                            plain 49,152 x 576 LM head (538 MB): ms per pass, best of 5
+//   ./harness qstream M      the same products from the GGUF's own layouts: Q4_1 layers, a Q8_0
+//                            LM head (96 MB)
 //
 // Build one binary per version of the kernel and run them alternately: the VM's speed drifts.
 #include KERNEL
@@ -22,9 +24,8 @@
 namespace {
 
 struct Product {
-  const float* w;
+  jspec_cpu::Weight w;
   int64_t K, N;
-  bool packed;
 };
 
 std::vector<float> random_floats(size_t n, float scale) {
@@ -45,25 +46,41 @@ int hot(int M, int64_t K) {
   double best = 1e9;
   for (int r = 0; r < 5; ++r) {
     const auto t = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) rows(x.data(), w.data(), y.data(), M, K, N, true, 0, N);
+    for (int i = 0; i < reps; ++i) rows(x.data(), {w.data(), jspec_cpu::Layout::kPacked}, y.data(), M, K, N, 0, N);
     best = std::min(best, seconds_since(t));
   }
   std::printf("hot M=%d K=%ld: %.2f G FMA/s\n", M, long(K), double(reps) * N * K * M / 8 / best / 1e9);
   return 0;
 }
 
-int stream(int M) {
+int stream(int M, bool quantized) {
+  using jspec_cpu::Layout;
   const int64_t D = 576, FF = 1536, V = 49152;
   std::vector<std::vector<float>> weights;
+  std::vector<std::vector<uint8_t>> records;
   std::vector<Product> products;
-  auto add = [&](int64_t K, int64_t N, bool packed) {  // packed: [N / 4, K / 16, 4, 16], the same bytes
-    weights.push_back(random_floats(N * K, 1e-5f));
-    products.push_back({weights.back().data(), K, N, packed});
+  auto add = [&](int64_t K, int64_t N, Layout layout) {  // packed: [N / 4, K / 16, 4, 16], the same bytes
+    if (layout == Layout::kQ4_1 || layout == Layout::kQ8_0) {  // random q, d and m small
+      const int64_t rb = layout == Layout::kQ4_1 ? jspec_cpu::kQ4_1Record : jspec_cpu::kQ8_0Record;
+      records.emplace_back(N * (K / jspec_cpu::kQuantBlock) * rb);
+      auto& r = records.back();
+      for (size_t i = 0; i < r.size(); ++i) r[i] = std::rand() & 0xff;
+      for (size_t i = 0; i < r.size(); i += rb) {
+        const float d = 1e-3f, m = -8e-3f;
+        std::memcpy(&r[i], &d, 4);
+        if (layout == Layout::kQ4_1) std::memcpy(&r[i + 4], &m, 4);
+      }
+      products.push_back({{r.data(), layout}, K, N});
+    } else {
+      weights.push_back(random_floats(N * K, 1e-5f));
+      products.push_back({{weights.back().data(), layout}, K, N});
+    }
   };
+  const Layout layers = quantized ? Layout::kQ4_1 : Layout::kPacked;
   for (int layer = 0; layer < 30; ++layer) {
-    add(D, 960, true), add(D, D, true), add(D, 2 * FF, true), add(FF, D, true);
+    add(D, 960, layers), add(D, D, layers), add(D, 2 * FF, layers), add(FF, D, layers);
   }
-  add(D, V, false);
+  add(D, V, quantized ? Layout::kQ8_0 : Layout::kPlain);
   auto x = random_floats(M * FF, 1e-3f);
   std::vector<float> y(M * V);
   // two threads take chunks of weight rows from a shared counter, as XLA's pool does
@@ -74,7 +91,7 @@ int stream(int M) {
     const Product& p = *current.load();
     const int64_t chunks = (p.N + kChunkRows - 1) / kChunkRows;
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
-      rows(x.data(), p.w, y.data(), M, p.K, p.N, p.packed, c * kChunkRows, std::min(p.N, (c + 1) * kChunkRows));
+      rows(x.data(), p.w, y.data(), M, p.K, p.N, c * kChunkRows, std::min(p.N, (c + 1) * kChunkRows));
   };
   std::thread helper([&] {
     for (int64_t seen = 0; !stop.load();) {
@@ -102,18 +119,18 @@ int stream(int M) {
   }
   stop = true;
   helper.join();
-  std::printf("stream M=%d: %.2f ms\n", M, best * 1e3);
+  std::printf("%s M=%d: %.2f ms\n", quantized ? "qstream" : "stream", M, best * 1e3);
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3 || (std::strcmp(argv[1], "hot") && std::strcmp(argv[1], "stream"))) {
-    std::fprintf(stderr, "usage: %s hot M [K] | stream M\n", argv[0]);
+  if (argc < 3 || (std::strcmp(argv[1], "hot") && std::strcmp(argv[1], "stream") && std::strcmp(argv[1], "qstream"))) {
+    std::fprintf(stderr, "usage: %s hot M [K] | stream M | qstream M\n", argv[0]);
     return 2;
   }
   const int M = std::atoi(argv[2]);
   if (!std::strcmp(argv[1], "hot")) return hot(M, argc > 3 ? std::atoll(argv[3]) : 576);
-  return stream(M);
+  return stream(M, !std::strcmp(argv[1], "qstream"));
 }

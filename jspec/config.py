@@ -369,7 +369,12 @@ class EngineConfig:
       ``pallas_kernels.small_rows``). ``None`` (the default): on where it applies (the CPU
       backend, one device, a float32 target, the kernel built); ``False``: off; ``True``: on
       wherever it applies (a warning where it does not). It costs the projections' memory once
-      more (425 MB for SmolLM2-135M).
+      more (425 MB for SmolLM2-135M);
+    - ``quantized_weights``: where the small-row copy is kept and the checkpoint stores a projection
+      (or the LM head) as Q4_1 or Q8_0 blocks (a GGUF file: ``LoadedModel.quantized``), the copy is
+      those blocks as they are, not floats (66 + 30 MB instead of 425 + 113 for SmolLM2-135M's Q4_1
+      layers and Q8_0 head); the same results bit for bit. ``False``: float32 copies (for
+      comparisons).
     """
 
     max_num_seqs: int = 8
@@ -384,6 +389,7 @@ class EngineConfig:
     shuffle_pages: bool = False  # hand out pages in a random order (tests that paging is real)
     tensor_parallel_size: int = 1  # devices the target is sharded over (jspec.parallel)
     small_row_weights: Optional[bool] = None
+    quantized_weights: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps",
@@ -403,5 +409,7 @@ class EngineConfig:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if self.small_row_weights is not None and not isinstance(self.small_row_weights, bool):
             raise ConfigError(f"small_row_weights must be None, True or False, got {self.small_row_weights!r}")
+        if not isinstance(self.quantized_weights, bool):
+            raise ConfigError(f"quantized_weights must be True or False, got {self.quantized_weights!r}")
         if self.small_row_weights and self.tensor_parallel_size > 1:
             raise ConfigError("small_row_weights needs one device (tensor_parallel_size 1)")

@@ -46,15 +46,13 @@ void silu_times(const float* g, const float* u, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = g[i] * u[i] / (1.0f + std::exp(-g[i]));
 }
 
-struct Packed {  // a packed weight's true [N, K]
+struct Packed {  // a packed or quantized weight (jspec_cpu::weight_of) and its true [N, K]
+  jspec_cpu::Weight w;
   int64_t N, K;
 };
 
-bool packed_shape(const ffi::Buffer<ffi::F32>& w, Packed& p) {
-  const auto d = w.dimensions();
-  if (d.size() != 4 || d[2] != 4 || d[3] != jspec_cpu::kLanes) return false;
-  p = {d[0] * 4, d[1] * jspec_cpu::kLanes};
-  return true;
+bool packed_shape(const ffi::AnyBuffer& buf, Packed& p) {
+  return jspec_cpu::weight_of(buf, p.w, p.N, p.K) && p.w.layout != jspec_cpu::Layout::kPlain;
 }
 
 // The buffers of the layer's phases after the K/V write.
@@ -66,43 +64,41 @@ struct TailBuffers {
 
 // Appends the phases from the attention to the end of the layer: out [M, H] = x + ... (above).
 void tail_phases(std::vector<jspec_cpu::Phase>& phases, jspec_cpu::AttentionPlan& plan, TailBuffers& b,
-                 const float* x, const ffi::Buffer<ffi::F32>& o_w, const float* gain,
-                 const ffi::Buffer<ffi::F32>& gate_up_w, const ffi::Buffer<ffi::F32>& down_w, float* out, int64_t M,
-                 int64_t QS, int64_t H, int64_t I, float eps) {
+                 const float* x, const Packed& o_w, const float* gain, const Packed& gate_up_w,
+                 const Packed& down_w, float* out, int64_t M, int64_t QS, int64_t H, int64_t I, float eps) {
   using jspec_cpu::Phase;
   using jspec_cpu::product_chunk;
   using jspec_cpu::product_chunks;
-  const float *ow = o_w.typed_data(), *guw = gate_up_w.typed_data(), *dw = down_w.typed_data();
+  const jspec_cpu::Weight ow = o_w.w, guw = gate_up_w.w, dw = down_w.w;
   const int64_t silu_blocks = (I + kSiluBlock - 1) / kSiluBlock;
   phases.push_back(Phase{plan.num_units, [&plan](int64_t u) { plan.run(u); }});
   phases.push_back(Phase{1, [&plan, &b](int64_t) { plan.combine(b.attn.data()); }});
   phases.push_back(Phase{product_chunks(H),
-                         [=, &b](int64_t c) { product_chunk(b.attn.data(), ow, b.h.data(), x, M, QS, H, true, c); },
-                         ow, static_cast<int64_t>(o_w.size_bytes())});
+                         [=, &b](int64_t c) { product_chunk(b.attn.data(), ow, b.h.data(), x, M, QS, H, c); },
+                         ow.data, jspec_cpu::weight_bytes(ow, H, QS)});
   phases.push_back(Phase{1, [=, &b](int64_t) { jspec_cpu::rms_norm_rows(b.h.data(), gain, b.hn.data(), M, H, H, eps); }});
   phases.push_back(Phase{product_chunks(2 * I),
                          [=, &b](int64_t c) { product_chunk(b.hn.data(), guw, b.gate_up.data(), nullptr, M, H, 2 * I,
-                                                            true, c); },
-                         guw, std::min<int64_t>(gate_up_w.size_bytes(), 1 << 20)});
+                                                            c); },
+                         guw.data, std::min<int64_t>(jspec_cpu::weight_bytes(guw, 2 * I, H), 1 << 20)});
   phases.push_back(Phase{M * silu_blocks, [=, &b](int64_t u) {
                            const int64_t m = u / silu_blocks, i0 = (u % silu_blocks) * kSiluBlock;
                            const float* row = b.gate_up.data() + m * 2 * I;
                            silu_times(row + i0, row + I + i0, b.act.data() + m * I + i0, std::min(kSiluBlock, I - i0));
                          }});
   phases.push_back(Phase{product_chunks(H),
-                         [=, &b](int64_t c) { product_chunk(b.act.data(), dw, out, b.h.data(), M, I, H, true, c); },
-                         dw, std::min<int64_t>(down_w.size_bytes(), 1 << 20)});
+                         [=, &b](int64_t c) { product_chunk(b.act.data(), dw, out, b.h.data(), M, I, H, c); },
+                         dw.data, std::min<int64_t>(jspec_cpu::weight_bytes(dw, H, I), 1 << 20)});
 }
 
 // Checks the tail's operands against the attention's shapes; sets M, H, QS (= Hq D) and I.
 ffi::Error tail_shapes(const jspec_cpu::AttentionShapes& s, const ffi::Buffer<ffi::F32>& x,
-                       const ffi::Buffer<ffi::F32>& o_w, const ffi::Buffer<ffi::F32>& gain,
-                       const ffi::Buffer<ffi::F32>& gate_up_w, const ffi::Buffer<ffi::F32>& down_w, int64_t& M,
-                       int64_t& H, int64_t& QS, int64_t& I) {
+                       const ffi::AnyBuffer& o_w, const ffi::Buffer<ffi::F32>& gain, const ffi::AnyBuffer& gate_up_w,
+                       const ffi::AnyBuffer& down_w, Packed& o, Packed& gu, Packed& dn, int64_t& M, int64_t& H,
+                       int64_t& QS, int64_t& I) {
   const auto xd = x.dimensions();
-  Packed o, gu, dn;
   if (xd.size() != 2 || !packed_shape(o_w, o) || !packed_shape(gate_up_w, gu) || !packed_shape(down_w, dn)) {
-    return ffi::Error::InvalidArgument("layer_tail: expected x [M, H] and packed o, gate_up and down weights");
+    return ffi::Error::InvalidArgument("layer_tail: expected x [M, H] and packed (or quantized) o, gate_up and down weights");
   }
   M = xd[0], H = xd[1], QS = s.Hq * s.D, I = gu.N / 2;
   if (M != s.B * s.T || o.N != H || o.K != QS || gu.K != H || gu.N % 2 || dn.N != H || dn.K != I ||
@@ -116,18 +112,18 @@ ffi::Error tail_shapes(const jspec_cpu::AttentionShapes& s, const ffi::Buffer<ff
 ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> x,
-                         ffi::Buffer<ffi::F32> o_w, ffi::Buffer<ffi::F32> gain, ffi::Buffer<ffi::F32> gate_up_w,
-                         ffi::Buffer<ffi::F32> down_w, ffi::ResultBuffer<ffi::F32> out, float eps) {
+                         ffi::AnyBuffer o_w, ffi::Buffer<ffi::F32> gain, ffi::AnyBuffer gate_up_w,
+                         ffi::AnyBuffer down_w, ffi::ResultBuffer<ffi::F32> out, float eps) {
   jspec_cpu::AttentionShapes s;
   if (auto e = jspec_cpu::attention_shapes(q, k_pages, block_tables, s); e.failure()) return e;
   int64_t M, H, QS, I;
-  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M, H, QS, I); e.failure()) return e;
+  Packed o, gu, dn;
+  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, o, gu, dn, M, H, QS, I); e.failure()) return e;
   jspec_cpu::AttentionPlan plan(s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
                                 block_tables.typed_data(), kv_lens.typed_data(), q_lens.typed_data());
   TailBuffers b(M, QS, H, I);
   std::vector<jspec_cpu::Phase> phases;
-  tail_phases(phases, plan, b, x.typed_data(), o_w, gain.typed_data(), gate_up_w, down_w, out->typed_data(), M, QS,
-              H, I, eps);
+  tail_phases(phases, plan, b, x.typed_data(), o, gain.typed_data(), gu, dn, out->typed_data(), M, QS, H, I, eps);
   jspec_cpu::run_phases(pool, std::move(phases));
   return ffi::Error::Success();
 }
@@ -137,12 +133,12 @@ ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 // the pages (rows t < q_lens[b], at position start[b] + t; a slot past the table or a page id
 // outside the pool is dropped, as jspec.cache.paged.write_kv drops it), then the tail. The pages
 // are updated in place (k_out, v_out alias k_pages, v_pages).
-ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> qkv_w,
+ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qkv_w,
                             ffi::Buffer<ffi::F32> in_gain, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                             ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> start,
-                            ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> o_w, ffi::Buffer<ffi::F32> gain,
-                            ffi::Buffer<ffi::F32> gate_up_w, ffi::Buffer<ffi::F32> down_w,
+                            ffi::Buffer<ffi::S32> q_lens, ffi::AnyBuffer o_w, ffi::Buffer<ffi::F32> gain,
+                            ffi::AnyBuffer gate_up_w, ffi::AnyBuffer down_w,
                             ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
                             ffi::ResultBuffer<ffi::F32> v_out, float eps) {
   const auto kd = k_pages.dimensions(), td = block_tables.dimensions(), xd = x.dimensions();
@@ -162,7 +158,8 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
   const jspec_cpu::AttentionShapes s{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
   int64_t M2, H2, QS2, I;
-  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, M2, H2, QS2, I); e.failure()) return e;
+  Packed o, gu, dn;
+  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, o, gu, dn, M2, H2, QS2, I); e.failure()) return e;
   std::vector<float> q(M * QS), xn(M * H), qkv_rows(M * qkv.N);
   std::vector<int32_t> kv_lens(B);
   const int32_t* st = start.typed_data();
@@ -174,7 +171,8 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
   jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, block_tables.typed_data(), kv_lens.data(), ql);
   TailBuffers b(M, QS, H, I);
-  const float *xp = x.typed_data(), *g = in_gain.typed_data(), *wq = qkv_w.typed_data();
+  const float *xp = x.typed_data(), *g = in_gain.typed_data();
+  const jspec_cpu::Weight wq = qkv.w;
   const float *cp = cos.typed_data(), *sp = sin.typed_data();
   const int32_t* tables = block_tables.typed_data();
   const int64_t NQ = qkv.N, half = D / 2;
@@ -183,9 +181,9 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   phases.push_back(Phase{1, [&, M, H](int64_t) { jspec_cpu::rms_norm_rows(xp, g, xn.data(), M, H, H, eps); }});
   phases.push_back(Phase{jspec_cpu::product_chunks(NQ),
                          [&, M, H, NQ](int64_t c) {
-                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, true, c);
+                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, c);
                          },
-                         wq, static_cast<int64_t>(qkv_w.size_bytes())});
+                         wq.data, jspec_cpu::weight_bytes(wq, NQ, H)});
   phases.push_back(Phase{M, [&](int64_t m) {  // row m = (b, t): rotate q and k, write k and v
     const float* row = qkv_rows.data() + m * NQ;
     const float *c = cp + m * D, *sn = sp + m * D;
@@ -208,7 +206,7 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       std::memcpy(vp + at, row + QS + KS + h * D, sizeof(float) * D);
     }
   }});
-  tail_phases(phases, plan, b, xp, o_w, gain.typed_data(), gate_up_w, down_w, out->typed_data(), M, QS, H, I, eps);
+  tail_phases(phases, plan, b, xp, o, gain.typed_data(), gu, dn, out->typed_data(), M, QS, H, I, eps);
   jspec_cpu::run_phases(pool, std::move(phases));
   return ffi::Error::Success();
 }
@@ -225,10 +223,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecLayerTail, LayerTailImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, H]: the residual stream
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_proj, packed
+                                  .Arg<ffi::AnyBuffer>()          // o_proj, packed or quantized
                                   .Arg<ffi::Buffer<ffi::F32>>()   // gain [H]: post-attention RMSNorm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_proj, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_proj, packed
+                                  .Arg<ffi::AnyBuffer>()          // gate_up_proj, packed or quantized
+                                  .Arg<ffi::AnyBuffer>()          // down_proj, packed or quantized
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
                                   .Attr<float>("eps"));
 
@@ -236,7 +234,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, H]: the layer's input
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_proj, packed
+                                  .Arg<ffi::AnyBuffer>()          // qkv_proj, packed or quantized
                                   .Arg<ffi::Buffer<ffi::F32>>()   // in_gain [H]: input RMSNorm
                                   .Arg<ffi::Buffer<ffi::F32>>()   // cos [M, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sin [M, D]
@@ -245,10 +243,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start [B]: cache lengths before
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_proj, packed
+                                  .Arg<ffi::AnyBuffer>()          // o_proj, packed or quantized
                                   .Arg<ffi::Buffer<ffi::F32>>()   // gain [H]: post-attention RMSNorm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up_proj, packed
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // down_proj, packed
+                                  .Arg<ffi::AnyBuffer>()          // gate_up_proj, packed or quantized
+                                  .Arg<ffi::AnyBuffer>()          // down_proj, packed or quantized
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // k_pages, written (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // v_pages, written (aliased)

@@ -30,7 +30,8 @@ import numpy as np
 
 from pallas_kernels.cpu_kernels import available
 from pallas_kernels.paged_verify_attention import check_paged_verify_args, paged_verify_attention_reference, write_kv
-from pallas_kernels.small_rows import LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference
+from pallas_kernels.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
+                                      quantized_type)
 
 TARGET = "jspec_layer_tail"
 LAYER_TARGET = "jspec_decoder_layer"
@@ -56,16 +57,17 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
     hidden, inter = x.shape[1], gate_up_w.shape[0] * PACK_ROWS // 2
     for name, w, (n, k) in (("o_w", o_w, (hidden, hq * d)), ("gate_up_w", gate_up_w, (2 * inter, hidden)),
                             ("down_w", down_w, (hidden, inter))):
-        if w.ndim != 4 or w.shape[2:] != (PACK_ROWS, LANES):
-            raise ValueError(f"layer_tail: {name} must be packed [N / {PACK_ROWS}, K / {LANES}, {PACK_ROWS}, {LANES}], "
-                             f"got shape {w.shape}")
-        if (w.shape[0] * PACK_ROWS, w.shape[1] * LANES) != (n, k):
+        if packed_dims(w) is None:
+            raise ValueError(f"layer_tail: {name} must be packed [N / {PACK_ROWS}, K / {LANES}, {PACK_ROWS}, {LANES}] "
+                             f"or quantized (pallas_kernels.small_rows.pack_quantized), got {w.dtype} {w.shape}")
+        if packed_dims(w) != (n, k):
             raise ValueError(f"layer_tail: {name} must pack [{n}, {k}] with no padding (N a multiple of "
                              f"{PACK_ROWS}, K of {LANES}), got shape {w.shape}")
     if gain.shape != (hidden,):
         raise ValueError(f"layer_tail: gain must be [{hidden}], got shape {gain.shape}")
-    if len({a.dtype for a in (q, k_pages, x, o_w, gain, gate_up_w, down_w)}) != 1:
-        raise ValueError("layer_tail: q, the pages, x, the weights and the gain must share a dtype")
+    floats = [w for w in (o_w, gate_up_w, down_w) if quantized_type(w) is None]
+    if len({a.dtype for a in (q, k_pages, x, gain, *floats)}) != 1:
+        raise ValueError("layer_tail: q, the pages, x, the float weights and the gain must share a dtype")
 
 
 def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
@@ -75,9 +77,8 @@ def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
     hidden, (b, t, hq, d) = x.shape[-1], q.shape
     inter2 = gate_up_w.shape[0] * PACK_ROWS
     return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and d <= 256 and inter2 % 2 == 0
-            and o_w.shape[0] * PACK_ROWS == hidden and o_w.shape[1] * LANES == hq * d
-            and gate_up_w.shape[1] * LANES == hidden and down_w.shape[0] * PACK_ROWS == hidden
-            and down_w.shape[1] * LANES == inter2 // 2 and available())
+            and packed_dims(o_w) == (hidden, hq * d) and packed_dims(gate_up_w) == (inter2, hidden)
+            and packed_dims(down_w) == (hidden, inter2 // 2) and available())
 
 
 def _kernel(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w, *, eps):
@@ -168,7 +169,7 @@ def decoder_layer_applies(q_shape, x, qkv_w, k_pages, o_w, gate_up_w, down_w) ->
     b, t, hq, d = q_shape
     q = jax.ShapeDtypeStruct(q_shape, x.dtype)
     n = (hq + 2 * k_pages.shape[0]) * d
-    return (qkv_w.shape[0] * PACK_ROWS == n and qkv_w.shape[1] * LANES == x.shape[-1] and d % 2 == 0
+    return (packed_dims(qkv_w) == (n, x.shape[-1]) and d % 2 == 0
             and applies(q, k_pages, x, o_w, gate_up_w, down_w))
 
 

@@ -153,6 +153,172 @@ void tile(const float* x, const float* wt, float* y, int64_t K, int64_t N, int64
 }
 #endif
 
+// ------------------------------------------------------------------ quantized weights (kQ4_1, kQ8_0)
+// The packed tile's arithmetic on weights dequantized in registers: for each block of 32 weights
+// (one record per weight row, the tile's 4 rows' records side by side: one sequential stream),
+// each 16 (AVX2: 8) weights are made float32 exactly as GGUF dequantizes them (d q + m, or d q)
+// and go into the same accumulators, in the same order, as the packed floats would: a product
+// equals the packed float32 weight's bit for bit, at 0.75 or 1.125 bytes a weight instead of 4.
+using jspec_cpu::Layout;
+
+template <Layout L>
+constexpr int64_t record_bytes() {
+  return L == Layout::kQ4_1 ? jspec_cpu::kQ4_1Record : jspec_cpu::kQ8_0Record;
+}
+
+constexpr int kQuantRows = 4;  // weight rows per tile (the records' interleave)
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline float read_f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+
+#ifndef JSPEC_AVX2_TILES
+constexpr int kMaxRowsQuant = 5;  // 20 accumulators, 5 rows of x, the weight vector, d, m
+
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int8_t s8x16 __attribute__((vector_size(16), aligned(1)));
+
+// Weights 16 h .. 16 h + 16 of a record, as float32.
+template <Layout L>
+inline v16 dequant(const uint8_t* rec, int h) {
+#if defined(__AVX512F__)
+  // (GCC's vector conversion of 16 bytes unpacks them one by one through scalar registers)
+  if constexpr (L == Layout::kQ4_1) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 8)));
+    q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(read_f32(rec)),
+                                                 _mm512_set1_ps(read_f32(rec + 4))));
+  } else {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 4 + 16 * h)));
+    return reinterpret_cast<v16>(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(read_f32(rec))));
+  }
+#else
+  using jspec_cpu::i16v;
+  if constexpr (L == Layout::kQ4_1) {
+    u8x16 b;
+    std::memcpy(&b, rec + 8, sizeof b);
+    i16v q = __builtin_convertvector(b, i16v);
+    q = h ? q >> 4 : q & 15;
+    return __builtin_convertvector(q, v16) * splat(read_f32(rec)) + splat(read_f32(rec + 4));
+  } else {
+    s8x16 b;
+    std::memcpy(&b, rec + 4 + 16 * h, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, i16v), v16) * splat(read_f32(rec));
+  }
+#endif
+}
+
+template <Layout L, int R>
+void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n) {
+  constexpr int64_t RB = record_bytes<L>();
+  v16 acc[R][kQuantRows];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kQuantRows; ++j) acc[i][j] = v16{};
+  const uint8_t* rec = wt;
+  for (int64_t k = 0; k < K; k += jspec_cpu::kQuantBlock, rec += kQuantRows * RB) {
+#pragma GCC unroll 4
+    for (int64_t b = 0; b < kQuantRows * RB; b += 64) __builtin_prefetch(rec + kPrefetchBytes + b, 0, 2);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      v16 xv[R];
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        xv[i] = load(x + (m + i) * K + k + h * kLanes);
+#if defined(__AVX512F__)
+        asm("" : "+v"(xv[i]));
+#endif
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < kQuantRows; ++j) {
+        const v16 wv = dequant<L>(rec + j * RB, h);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kQuantRows; ++j) y[(m + i) * N + n + j] = hsum(acc[i][j]);
+}
+
+#else
+constexpr int kMaxRowsQuant = 2;  // 8 accumulators, 2 rows of x, the weight vector, d, m
+
+// Weights 8 e .. 8 e + 8 of a record (e in 0 .. 3), as float32.
+template <Layout L>
+inline __m256 dequant8(const uint8_t* rec, int e) {
+  if constexpr (L == Layout::kQ4_1) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 8 + 8 * (e & 1)));
+    __m256i q = _mm256_cvtepu8_epi32(b);
+    q = e >= 2 ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(read_f32(rec))),
+                         _mm256_set1_ps(read_f32(rec + 4)));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 4 + 8 * e));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(read_f32(rec)));
+  }
+}
+
+template <Layout L, int R>
+void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n) {
+  constexpr int64_t RB = record_bytes<L>();
+  __m256 acc[R][kQuantRows];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kQuantRows; ++j) acc[i][j] = _mm256_setzero_ps();
+  const uint8_t* rec = wt;
+  const float* xm = x + m * K;
+  for (int64_t k = 0; k < K; k += jspec_cpu::kQuantBlock, rec += kQuantRows * RB) {
+#pragma GCC unroll 4
+    for (int64_t b = 0; b < kQuantRows * RB; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchBytes + b), _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int e = 0; e < 4; ++e) {
+      __m256 xv[R];
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        xv[i] = _mm256_loadu_ps(xm + i * K + k + 8 * e);
+        jspec_cpu::pin(xv[i]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < kQuantRows; ++j) {
+        __m256 wv = dequant8<L>(rec + j * RB, e);
+        jspec_cpu::pin(wv);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kQuantRows; ++j) y[(m + i) * N + n + j] = jspec_cpu::hsum8(acc[i][j]);
+}
+#endif
+
+// Every row of x against the 4 weight rows of one quantized tile, kMaxRowsQuant rows of x at a time.
+template <Layout L>
+void qcolumn(const float* x, const uint8_t* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + kMaxRowsQuant <= M; m += kMaxRowsQuant) qtile<L, kMaxRowsQuant>(x, wt, y, K, N, m, n);
+  switch (M - m) {
+    case 4: if constexpr (kMaxRowsQuant > 4) qtile<L, 4>(x, wt, y, K, N, m, n); break;
+    case 3: if constexpr (kMaxRowsQuant > 3) qtile<L, 3>(x, wt, y, K, N, m, n); break;
+    case 2: if constexpr (kMaxRowsQuant > 2) qtile<L, 2>(x, wt, y, K, N, m, n); break;
+    case 1: qtile<L, 1>(x, wt, y, K, N, m, n); break;
+    default: break;
+  }
+}
+
+template <Layout L>
+void qrows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t group = (K / jspec_cpu::kQuantBlock) * kQuantRows * record_bytes<L>();  // bytes of 4 rows
+  for (int64_t n = n0; n < n1; n += kQuantRows) qcolumn<L>(x, w + (n / kQuantRows) * group, y, M, K, N, n);
+}
+
 // Every row of x against one tile of C weight rows, MAXR rows of x at a time.
 template <int C, int MAXR>
 void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n,
@@ -171,51 +337,55 @@ void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int
   }
 }
 
-// Weight rows n0 .. n1 (n0, n1 multiples of kPackRows when packed).
-void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, bool packed,
-          int64_t n0, int64_t n1) {
-  if (packed) {  // the tile's 4 rows lie interleaved in memory: one sequential stream, x reused 4 times
-    for (int64_t n = n0; n < n1; n += kPackRows)
-      column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kPackRows * kLanes, kLanes);
-  } else {  // 4 weight rows side by side (4 streams, each prefetched), then the rows left over
-    int64_t n = n0;
-    for (; n + kPackRows <= n1; n += kPackRows)
-      column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kLanes, K);
-    for (; n < n1; ++n) column<1, kMaxRowsPlain>(x, w + n * K, y, M, K, N, n, kLanes, K);
+// Weight rows n0 .. n1 (n0, n1 multiples of 4 in the packed and quantized layouts).
+void rows(const float* x, jspec_cpu::Weight wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const float* w = static_cast<const float*>(wt.data);
+  switch (wt.layout) {
+    case Layout::kQ4_1:
+      return qrows<Layout::kQ4_1>(x, static_cast<const uint8_t*>(wt.data), y, M, K, N, n0, n1);
+    case Layout::kQ8_0:
+      return qrows<Layout::kQ8_0>(x, static_cast<const uint8_t*>(wt.data), y, M, K, N, n0, n1);
+    case Layout::kPacked:  // the tile's 4 rows lie interleaved in memory: one sequential stream, x reused 4 times
+      for (int64_t n = n0; n < n1; n += kPackRows)
+        column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kPackRows * kLanes, kLanes);
+      return;
+    case Layout::kPlain: {  // 4 weight rows side by side (4 streams, each prefetched), then the rows left over
+      int64_t n = n0;
+      for (; n + kPackRows <= n1; n += kPackRows)
+        column<kPackRows, kMaxRowsPacked>(x, w + n * K, y, M, K, N, n, kLanes, K);
+      for (; n < n1; ++n) column<1, kMaxRowsPlain>(x, w + n * K, y, M, K, N, n, kLanes, K);
+      return;
+    }
   }
 }
 
 // y = x w^T over weight rows split into chunks between the threads; with r (rows of the same
 // shape as y) each chunk adds r to its outputs once they are summed (a residual connection).
-void product(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, const float* rp, int64_t M,
-             int64_t K, int64_t N, bool packed) {
+void product(ffi::ThreadPool& pool, const float* xp, jspec_cpu::Weight w, float* yp, const float* rp, int64_t M,
+             int64_t K, int64_t N) {
   jspec_cpu::parallel_for(pool, jspec_cpu::product_chunks(N), [&](int64_t c) {
-    jspec_cpu::product_chunk(xp, wp, yp, rp, M, K, N, packed, c);
+    jspec_cpu::product_chunk(xp, w, yp, rp, M, K, N, c);
   });
 }
 
-// Checks x [M, K'] and w [N, K] or packed; sets M, K, N, packed.
-ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, int64_t& M, int64_t& K, int64_t& N,
-                  bool& packed) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  packed = wd.size() == 4;
-  if (xd.size() != 2 || (wd.size() != 2 && !(packed && wd[2] == kPackRows && wd[3] == kLanes))) {
-    return ffi::Error::InvalidArgument("small_rows: expected x [M, K] and w [N, K] or [N / 4, K / 16, 4, 16]");
+// Checks x [M, K'] and the weight (jspec_cpu::weight_of); sets M, K, N and the weight.
+ffi::Error shapes(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w, int64_t& M, int64_t& K, int64_t& N,
+                  jspec_cpu::Weight& wt) {
+  if (x.dimensions().size() != 2 || !jspec_cpu::weight_of(w, wt, N, K)) {
+    return ffi::Error::InvalidArgument("small_rows: expected x [M, K] and w float32 [N, K] or [N / 4, K / 16, 4, 16], "
+                                       "or uint8 [N / 4, K / 32, 4, 24 | 36]");
   }
-  M = xd[0];
-  K = packed ? wd[1] * kLanes : wd[1];
-  N = packed ? wd[0] * kPackRows : wd[0];
+  M = x.dimensions()[0];
   return ffi::Error::Success();
 }
 
-ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                          ffi::ResultBuffer<ffi::F32> y) {
   int64_t M, K, N;
-  bool packed;
-  if (auto e = shapes(x, w, M, K, N, packed); e.failure()) return e;
+  jspec_cpu::Weight wt;
+  if (auto e = shapes(x, w, M, K, N, wt); e.failure()) return e;
   if (x.dimensions()[1] != K) return ffi::Error::InvalidArgument("small_rows: x and w disagree on K");
-  product(pool, x.typed_data(), w.typed_data(), y->typed_data(), nullptr, M, K, N, packed);
+  product(pool, x.typed_data(), wt, y->typed_data(), nullptr, M, K, N);
   return ffi::Error::Success();
 }
 
@@ -223,16 +393,16 @@ ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 // two products): x first through RMSNorm with gain `scale` [K0] (when scale is not empty), y then
 // plus `residual` [M, N] (when not empty). x [M, K0] may be narrower than the packed weight's K
 // (zero-padded here). The norm sums each row in one order whatever M is, like the product.
-ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                               ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
                               ffi::ResultBuffer<ffi::F32> y, float eps) {
   int64_t M, K, N;
-  bool packed;
-  if (auto e = shapes(x, w, M, K, N, packed); e.failure()) return e;
+  jspec_cpu::Weight wt;
+  if (auto e = shapes(x, w, M, K, N, wt); e.failure()) return e;
   const int64_t K0 = x.dimensions()[1];
   const bool norm = scale.element_count() > 0;
   const bool add = residual.element_count() > 0;
-  if (K0 > K || (!packed && K0 != K) || (norm && scale.element_count() != K0) ||
+  if (K0 > K || (wt.layout != jspec_cpu::Layout::kPacked && K0 != K) || (norm && scale.element_count() != K0) ||
       (add && residual.element_count() != M * N)) {
     return ffi::Error::InvalidArgument("small_rows_fused: x [M, K0], scale [K0] and residual [M, N] must fit w");
   }
@@ -243,7 +413,7 @@ ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     jspec_cpu::rms_norm_rows(xp, norm ? scale.typed_data() : nullptr, xs.data(), M, K0, K, eps);
     xp = xs.data();
   }
-  product(pool, xp, w.typed_data(), y->typed_data(), add ? residual.typed_data() : nullptr, M, K, N, packed);
+  product(pool, xp, wt, y->typed_data(), add ? residual.typed_data() : nullptr, M, K, N);
   return ffi::Error::Success();
 }
 
@@ -251,10 +421,25 @@ ffi::Error SmallRowsFusedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 
 namespace jspec_cpu {
 
-void product_chunk(const float* x, const float* w, float* y, const float* r, int64_t M, int64_t K, int64_t N,
-                   bool packed, int64_t c) {
+bool weight_of(const xla::ffi::AnyBuffer& w, Weight& out, int64_t& N, int64_t& K) {
+  const auto d = w.dimensions();
+  out.data = w.untyped_data();
+  if (w.element_type() == ffi::DataType::F32 && d.size() == 2) {
+    out.layout = Layout::kPlain, N = d[0], K = d[1];
+  } else if (w.element_type() == ffi::DataType::F32 && d.size() == 4 && d[2] == kPackRows && d[3] == kLanes) {
+    out.layout = Layout::kPacked, N = d[0] * kPackRows, K = d[1] * kLanes;
+  } else if (w.element_type() == ffi::DataType::U8 && d.size() == 4 && d[2] == kQuantRows &&
+             (d[3] == kQ4_1Record || d[3] == kQ8_0Record)) {
+    out.layout = d[3] == kQ4_1Record ? Layout::kQ4_1 : Layout::kQ8_0, N = d[0] * kQuantRows, K = d[1] * kQuantBlock;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void product_chunk(const float* x, Weight w, float* y, const float* r, int64_t M, int64_t K, int64_t N, int64_t c) {
   const int64_t n0 = c * kChunkRows, n1 = std::min(N, (c + 1) * kChunkRows);
-  rows(x, w, y, M, K, N, packed, n0, n1);
+  rows(x, w, y, M, K, N, n0, n1);
   if (r != nullptr)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] += r[m * N + n];
@@ -281,14 +466,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRows, SmallRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K] or packed
+                                  .Arg<ffi::AnyBuffer>()          // w [N, K], packed or quantized
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecSmallRowsFused, SmallRowsFusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K0]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K] or packed
+                                  .Arg<ffi::AnyBuffer>()          // w [N, K], packed or quantized
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [K0] or [0]: RMSNorm gain
                                   .Arg<ffi::Buffer<ffi::F32>>()   // residual [M, N] or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]

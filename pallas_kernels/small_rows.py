@@ -51,28 +51,106 @@ def unpack_rows(packed: jax.Array, n: int, k: int) -> jax.Array:
     return packed.transpose(0, 2, 1, 3).reshape(g * r, c * l)[:n, :k]
 
 
+# ------------------------------------------------------------------ quantized weights
+# GGUF's Q4_1 and Q8_0 blocks of 32 weights along K, read by the kernel as they are stored (with
+# their float16 scales widened to float32): [ceil(N / 4), K / 32, 4, record] uint8, each group of 4
+# rows interleaved one block at a time. A Q4_1 record is float32 d, float32 m and 16 bytes of 4-bit
+# q (weight i = d q_i + m; q_i the low nibble of byte i for i < 16, then the high nibbles); a Q8_0
+# record float32 d and 32 int8 q (weight i = d q_i). The values are exactly the float32 ones the
+# ``gguf`` package dequantizes the file to (d q is exact in float32), and the kernel sums them in the
+# order it sums the packed floats: the product equals the packed float32 weight's bit for bit while
+# reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead of 4.
+QUANT_BLOCK = 32
+QUANT_TYPES = ("q4_1", "q8_0")
+GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # a block as the GGUF file stores it (float16 scales)
+RECORD_BYTES = {"q4_1": 24, "q8_0": 36}
+_TYPE_OF_RECORD = {v: k for k, v in RECORD_BYTES.items()}
+
+
+def pack_quantized(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """GGUF blocks of a weight's rows, uint8 [N, K / 32 * block bytes] (Q4_1: 20, Q8_0: 34) ->
+    the kernel's quantized layout uint8 [ceil(N / 4), K / 32, 4, record] (see above; padding rows
+    are zero records: weights 0)."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"pack_quantized: qtype must be one of {QUANT_TYPES}, got {qtype!r}")
+    blocks = np.asarray(blocks)
+    size = GGUF_BLOCK_BYTES[qtype]
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] % size:
+        raise ValueError(f"pack_quantized: blocks must be uint8 [N, K / 32 * {size}], got {blocks.dtype} "
+                         f"{blocks.shape}")
+    n, nb = blocks.shape[0], blocks.shape[1] // size
+    b = blocks.reshape(n, nb, size)
+    scales = b[..., :2].copy().view(np.float16).astype(np.float32).view(np.uint8)  # d -> float32 bytes
+    if qtype == "q4_1":
+        m = b[..., 2:4].copy().view(np.float16).astype(np.float32).view(np.uint8)
+        rec = np.concatenate([scales, m, b[..., 4:]], axis=-1)
+    else:
+        rec = np.concatenate([scales, b[..., 2:]], axis=-1)
+    rec = np.pad(rec, ((0, -n % PACK_ROWS), (0, 0), (0, 0)))
+    return np.ascontiguousarray(rec.reshape(-1, PACK_ROWS, nb, RECORD_BYTES[qtype]).transpose(0, 2, 1, 3))
+
+
+def quantized_type(w) -> str | None:
+    """"q4_1" or "q8_0" for a weight in the quantized layout (array or ShapeDtypeStruct), else None."""
+    if w.dtype == jnp.uint8 and w.ndim == 4 and w.shape[2] == PACK_ROWS:
+        return _TYPE_OF_RECORD.get(w.shape[3])
+    return None
+
+
+def packed_dims(w) -> tuple[int, int] | None:
+    """(rows N, padded to 4; K) of a packed float32 or quantized weight, None for anything else."""
+    if w.ndim != 4 or w.shape[2] != PACK_ROWS:
+        return None
+    if quantized_type(w) is not None:
+        return w.shape[0] * PACK_ROWS, w.shape[1] * QUANT_BLOCK
+    return (w.shape[0] * PACK_ROWS, w.shape[1] * LANES) if w.shape[3] == LANES and w.dtype != jnp.uint8 else None
+
+
+def dequantize(w: jax.Array, n: int) -> jax.Array:
+    """A quantized-layout weight -> float32 rows [n, K] in plain ``jnp`` (the kernel's reference)."""
+    qtype = quantized_type(w)
+    g, nb, r, size = w.shape
+    d = jax.lax.bitcast_convert_type(w[..., 0:4], jnp.float32)[..., None]  # [g, nb, 4, 1]
+    if qtype == "q4_1":
+        m = jax.lax.bitcast_convert_type(w[..., 4:8], jnp.float32)[..., None]
+        q = w[..., 8:]
+        q = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)  # [g, nb, 4, 32]
+        vals = d * q + m
+    else:
+        vals = d * jax.lax.bitcast_convert_type(w[..., 4:], jnp.int8).astype(jnp.float32)
+    return vals.transpose(0, 2, 1, 3).reshape(g * r, nb * QUANT_BLOCK)[:n]
+
+
 def small_rows_matmul_reference(x: jax.Array, w: jax.Array, n: int | None = None) -> jax.Array:
     """``x`` [..., K] times the weight rows transposed -> [..., N] (one ``dot_general``); ``w`` is
-    [N, K], or packed (:func:`pack_rows`) with ``n`` its true row count."""
-    if w.ndim == 4:
+    [N, K], or packed (:func:`pack_rows`) or quantized (:func:`pack_quantized`) with ``n`` its
+    true row count."""
+    if quantized_type(w) is not None:
+        w = dequantize(w, n)
+    elif w.ndim == 4:
         w = unpack_rows(w, n, x.shape[-1])
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def check_small_rows_args(x: jax.Array, w: jax.Array, n: int | None = None) -> None:
+    quantized = quantized_type(w) is not None
     if w.ndim == 4:
-        g, c, r, l = w.shape
-        if (r, l) != (PACK_ROWS, LANES) or n is None or not (g - 1) * PACK_ROWS < n <= g * PACK_ROWS:
+        dims = packed_dims(w)
+        if dims is None or n is None or not dims[0] - PACK_ROWS < n <= dims[0]:
             raise ValueError(f"small_rows_matmul: a packed w must be [ceil(n / {PACK_ROWS}), ceil(K / {LANES}), "
-                             f"{PACK_ROWS}, {LANES}] with n given, got shape {w.shape} and n = {n}")
-        if x.ndim < 1 or not (c - 1) * LANES < x.shape[-1] <= c * LANES:
+                             f"{PACK_ROWS}, {LANES}] (or quantized: uint8 [ceil(n / {PACK_ROWS}), K / {QUANT_BLOCK}, "
+                             f"{PACK_ROWS}, 24 | 36]) with n given, got {w.dtype} {w.shape} and n = {n}")
+        lo = dims[1] if quantized else dims[1] - LANES + 1
+        if x.ndim < 1 or not lo <= x.shape[-1] <= dims[1]:
             raise ValueError(f"small_rows_matmul: x [..., K] does not fit the packed w {w.shape}, got shape {x.shape}")
     elif w.ndim == 2:
         if x.ndim < 1 or x.shape[-1] != w.shape[1]:
             raise ValueError(f"small_rows_matmul: x [..., K] must end in w's K = {w.shape[1]}, got shape {x.shape}")
     else:
         raise ValueError(f"small_rows_matmul: w must be [N, K] or packed, got shape {w.shape}")
-    if x.dtype != w.dtype:
+    if quantized and x.dtype != jnp.float32:
+        raise ValueError(f"small_rows_matmul: a quantized w takes float32 x, got {x.dtype}")
+    if not quantized and x.dtype != w.dtype:
         raise ValueError(f"small_rows_matmul: x and w must share a dtype, got {x.dtype} and {w.dtype}")
 
 
@@ -106,14 +184,14 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 def small_rows_matmul(x: jax.Array, w: jax.Array, n: int | None = None) -> jax.Array:
     """``x`` [..., K] times the weight rows ``w`` transposed -> [..., N]: ``w`` is [N, K], or
-    packed by :func:`pack_rows` with ``n`` = N. The CPU kernel where it applies (float32, kernel
-    built), :func:`small_rows_matmul_reference` elsewhere."""
+    packed by :func:`pack_rows` or :func:`pack_quantized` with ``n`` = N. The CPU kernel where it
+    applies (float32, kernel built), :func:`small_rows_matmul_reference` elsewhere."""
     check_small_rows_args(x, w, n)
     if x.dtype != jnp.float32 or not available():
         return small_rows_matmul_reference(x, w, n)
     x2 = x.reshape(-1, x.shape[-1])
     if w.ndim == 4:
-        x2 = jnp.pad(x2, ((0, 0), (0, w.shape[1] * LANES - x2.shape[1])))
+        x2 = jnp.pad(x2, ((0, 0), (0, packed_dims(w)[1] - x2.shape[1])))
     y = _product(x2, w)
     if w.ndim == 4:
         y = y[:, :n]

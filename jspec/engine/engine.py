@@ -185,7 +185,8 @@ class LLMEngine:
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
         copy = self._small_row_weights(config, mc, device)
-        params = with_small_row_weights(model.params) if copy else model.params
+        quantized = getattr(model, "quantized", None) if config.quantized_weights else None
+        params = with_small_row_weights(model.params, quantized=quantized) if copy else model.params
         if copy and isinstance(drafter_params, dict):  # a draft model's layers, an EAGLE head's projections
             drafter_params = with_small_row_weights(drafter_params, HEAD_PROJECTIONS)
 

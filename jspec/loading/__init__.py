@@ -89,6 +89,9 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None
     source: Path
     format: str
+    # the projections the file stores as Q4_1 / Q8_0 blocks, in the CPU small-row kernel's layout
+    # (jspec.loading.convert.quantized_weights): the engine reads them instead of float32 copies
+    quantized: dict = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -128,13 +131,15 @@ class Checkpoint:
     _tensors: Any  # SafetensorsDir or GGUFFile
 
     def load(self, tokenizer: bool = True) -> LoadedModel:
-        from jspec.loading.convert import check_load_fits, params_from_hf
+        from jspec.loading.convert import check_load_fits, params_from_hf, quantized_weights
 
         check_load_fits(self.config, str(self.source))
         get = self._tensors.get if self.format == "hf" else self._tensors.getter(self.config)
         params = params_from_hf(self.config, get, str(self.source))
+        quantized = quantized_weights(self.config, self._tensors.blocks_getter(self.config)) \
+            if self.format == "gguf" else {}
         tok: Optional[Any] = load_tokenizer(self.format, self.source) if tokenizer else None
-        return LoadedModel(self.config, params, tok, self.source, self.format)
+        return LoadedModel(self.config, params, tok, self.source, self.format, quantized)
 
 
 def open_checkpoint(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32") -> Checkpoint:

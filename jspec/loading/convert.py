@@ -33,6 +33,7 @@ import numpy as np
 from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
+from pallas_kernels import small_rows
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -164,6 +165,42 @@ def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoin
                     "down_proj": {"kernel": dev(take(p + "mlp.down_proj.weight").T)}},
         }
     return params
+
+
+def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.ndarray]:
+    """The projections a GGUF file stores as Q4_1 or Q8_0 blocks, in the CPU small-row kernel's
+    quantized layout (``pallas_kernels.small_rows.pack_quantized``), keyed by their place in the
+    parameter tree: ``("layers_{n}", "self_attn" | "mlp", "qkv_proj" | ...)`` (fused as the
+    float32 kernels are; a fused projection only when all its parts share one type) and
+    ``("lm_head_rows",)`` (the LM head's rows [V, H]: the tied embedding, or ``lm_head``).
+    ``get_blocks(hf_name) -> (qtype, uint8 [rows, row bytes]) | None`` (GGUFFile.blocks_getter).
+    Empty for a model not in float32 (the kernel's dtype). The values are the dequantized
+    parameters' exactly; :func:`jspec.models.llama.with_small_row_weights` reads them."""
+    if jnp.dtype(cfg.dtype) != jnp.float32:
+        return {}
+    shapes = expected_hf_shapes(cfg)
+    out = {}
+
+    def fused(path, names):
+        parts = [get_blocks(n) for n in names]
+        if any(p is None for p in parts) or len({q for q, _ in parts}) != 1:
+            return
+        qtype = parts[0][0]
+        rows, k = sum(shapes[n][0] for n in names), shapes[names[0]][1]
+        blocks = np.concatenate([b for _, b in parts], axis=0)
+        if k % small_rows.QUANT_BLOCK or blocks.shape != (rows, k // small_rows.QUANT_BLOCK *
+                                                           small_rows.GGUF_BLOCK_BYTES[qtype]):
+            return
+        out[path] = small_rows.pack_quantized(blocks, qtype)
+
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        fused((f"layers_{n}", "self_attn", "qkv_proj"), [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+        fused((f"layers_{n}", "self_attn", "o_proj"), [p + "self_attn.o_proj.weight"])
+        fused((f"layers_{n}", "mlp", "gate_up_proj"), [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        fused((f"layers_{n}", "mlp", "down_proj"), [p + "mlp.down_proj.weight"])
+    fused(("lm_head_rows",), ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+    return out
 
 
 def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:

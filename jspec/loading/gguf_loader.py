@@ -169,6 +169,30 @@ class GGUFFile:
 
         return get
 
+    def blocks_getter(self, config: ModelConfig):
+        """``get(hf_name) -> (qtype, blocks) | None``: a tensor's own quantized blocks, uint8
+        [rows, bytes of a row], for the types the CPU small-row kernel reads as they are ("q4_1",
+        "q8_0": :mod:`pallas_kernels.small_rows`), Q/K row permutation undone; None for a tensor
+        stored any other way (or absent). No copy: a view of the mapped file."""
+        import gguf
+
+        types = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+
+        def get(hf: str):
+            name = self._by_hf.get(hf)
+            t = None if name is None else self.tensors[name]
+            if t is None or t.tensor_type not in types or t.data.ndim != 2:
+                return None
+            blocks = t.data
+            if self.arch in ("llama", "mistral"):
+                if hf.endswith("q_proj.weight"):
+                    blocks = unpermute_qk(blocks, config.num_heads)
+                elif hf.endswith("k_proj.weight"):
+                    blocks = unpermute_qk(blocks, config.num_kv_heads)
+            return types[t.tensor_type], blocks
+
+        return get
+
     def hf_tensors(self, config: ModelConfig) -> dict[str, np.ndarray]:
         """All model tensors under Hugging Face names, Q/K permutation undone."""
         get = self.getter(config)

@@ -240,25 +240,39 @@ def times_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
 
 
-def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS):
+def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantized=None):
     """``params`` with a packed copy ``weight`` (``pallas_kernels.small_rows.pack_rows`` of the
     kernel's transpose) beside the ``kernel`` of every :class:`Linear` called one of ``names``
     (by default a decoder layer's projections), which it reads for products of a few rows on the
     CPU small-row kernel. The copy costs the projections' memory once more (425 MB for
     SmolLM2-135M in float32). Outputs equal the plain parameters' up to float rounding (another
-    summation order)."""
+    summation order).
 
-    def walk(tree):
+    ``quantized`` (``LoadedModel.quantized``: a GGUF file's Q4_1 / Q8_0 projections in the kernel's
+    quantized layout, keyed by their path in ``params``): those projections' ``weight`` is their
+    quantized form instead (SmolLM2-135M's 66 MB of Q4_1 instead of 425 MB of floats), and
+    ``("lm_head_rows",)`` becomes ``params["lm_head_rows"]``, which :meth:`LlamaForCausalLM.head`
+    reads for a few rows in place of the float32 table. The kernel gives the same bits from either
+    form of a weight (``pallas_kernels.small_rows``), reading a fifth of the bytes or less."""
+    quantized = quantized or {}
+
+    def walk(tree, path):
         out = {}
         for name, sub in tree.items():
+            here = (*path, name)
             if name in names and isinstance(sub, dict) and "kernel" in sub:
-                sub = {**sub, "weight": small_rows.pack_rows(jnp.asarray(sub["kernel"]).T)}
+                w = quantized.get(here)
+                sub = {**sub, "weight": jnp.asarray(w) if w is not None
+                       else small_rows.pack_rows(jnp.asarray(sub["kernel"]).T)}
             elif isinstance(sub, dict):
-                sub = walk(sub)
+                sub = walk(sub, here)
             out[name] = sub
         return out
 
-    return walk(params)
+    out = walk(params, ())
+    if ("lm_head_rows",) in quantized:
+        out["lm_head_rows"] = jnp.asarray(quantized[("lm_head_rows",)])
+    return out
 
 
 class Attention(nn.Module):
@@ -420,7 +434,10 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(tokens)
 
     def head(self, hidden):  # [..., H] (after the final norm) -> float32 logits [..., V]
-        if self.config.tie_word_embeddings:
+        rows = self.variables.get("params", {}).get("lm_head_rows")  # quantized (with_small_row_weights)
+        if rows is not None and _few_rows(hidden, self.config.dtype):
+            logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
+        elif self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
             if _few_rows(hidden, self.config.dtype):
                 logits = times_rows(hidden, self.embed_tokens.embedding)
