@@ -138,3 +138,72 @@ def test_name_mapping():
     assert hf_name("blk.7.attn_k.weight") == "model.layers.7.self_attn.k_proj.weight"
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F16"])
+def test_gguf_keeps_the_blocks_the_small_row_kernel_reads(tmp_path, hf_dir, qtype):
+    """A Q4_1 / Q8_0 file's projections and LM head are kept as their blocks in the kernel's
+    layout (LoadedModel.quantized), and they hold exactly the loaded float32 parameters; a file
+    in another type, or a model loaded in another dtype, keeps none."""
+    from jspec.models.llama import output_embedding, with_small_row_weights
+    from pallas_kernels.small_rows import dequantize
+
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf(path, hf_dir, qtype)
+    model = jspec.load_model(str(path), tokenizer=False)
+    if qtype == "F16":
+        assert model.quantized == {}
+        return
+    cfg = model.config
+    assert len(model.quantized) == 4 * cfg.num_layers + 1
+    copy = with_small_row_weights(model.params, quantized=model.quantized)
+    for where in model.quantized:
+        node = copy
+        for key in where:
+            node = node[key]
+        if where == ("lm_head_rows",):
+            want, w = output_embedding(model.params, cfg), node
+        else:
+            want, w = node["kernel"].T, node["weight"]
+        assert w.dtype == np.uint8
+        np.testing.assert_array_equal(np.asarray(dequantize(w, want.shape[0])).view(np.uint32),
+                                      np.asarray(want).view(np.uint32), err_msg=str(where))
+    assert jspec.load_model(str(path), dtype="bfloat16", tokenizer=False).quantized == {}
+
+
+def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf_dir, monkeypatch):
+    """The same hidden states bit for bit from the quantized blocks as from float32 copies (a
+    5-row step through the whole-layer kernel), logits within rounding (this model's untied LM
+    head is XLA's product without the blocks, the kernel's with them), the same greedy tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.cache.paged import init_cache
+    from jspec.config import EngineConfig
+    from jspec.errors import ConfigError
+    from jspec.models.llama import forward, with_small_row_weights
+    from pallas_kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler: the kernels are not built")
+    monkeypatch.setenv("JSPEC_CPU_KERNELS", "1")
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_gguf(path, hf_dir, "Q4_1")
+    model = jspec.load_model(str(path), tokenizer=False)
+    cfg = model.config
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(4, dtype=jnp.int32)[None], 4, 16)
+    tokens = jnp.array([[3, 17, 42, 7, 99]], jnp.int32)
+    step = jax.jit(lambda p: forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu")[:2])
+    quant = with_small_row_weights(model.params, quantized=model.quantized)
+    assert "lm_head_rows" in quant and "jspec_decoder_layer" in step.lower(quant).as_text()
+    (logits, hidden), (want_logits, want_hidden) = step(quant), step(with_small_row_weights(model.params))
+    assert np.array_equal(np.asarray(hidden).view(np.uint32), np.asarray(want_hidden).view(np.uint32))
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5 * np.abs(want_logits).max())
+    prompts = [[5, 9, 200, 31], [77, 3]]
+    sp = jspec.SamplingParams(max_tokens=12, ignore_eos=True)
+    on = jspec.generate(model, prompts, sp).token_ids
+    blocks, model.quantized = model.quantized, {}
+    assert jspec.generate(model, prompts, sp).token_ids == on
+    model.quantized = blocks
+    with pytest.raises(ConfigError, match="quantized_weights"):
+        EngineConfig(quantized_weights="yes")
