@@ -187,10 +187,13 @@ inline v16 dequant(const uint8_t* rec, int h) {
 #if defined(__AVX512F__)
   // (GCC's vector conversion of 16 bytes unpacks them one by one through scalar registers)
   if constexpr (L == Layout::kQ4_1) {
+    // the 16 values d q + m the block can hold, then each weight looked up by its nibble (the
+    // permute reads an index's low 4 bits: the low nibble needs no mask)
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(read_f32(rec)), _mm512_set1_ps(read_f32(rec + 4)));
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 8)));
-    q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
-    return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(read_f32(rec)),
-                                                 _mm512_set1_ps(read_f32(rec + 4))));
+    if (h) q = _mm512_srli_epi32(q, 4);
+    return reinterpret_cast<v16>(_mm512_permutexvar_ps(q, table));
   } else {
     const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 4 + 16 * h)));
     return reinterpret_cast<v16>(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(read_f32(rec))));

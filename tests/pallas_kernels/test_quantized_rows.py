@@ -4,6 +4,12 @@ that takes a packed float32 weight (the product, the fused product, the layer ta
 layer) gives the same bits from the quantized form of that weight; gradients, the fallback
 without the kernels and bad weights."""
 
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -163,3 +169,30 @@ def test_bad_quantized_weights_are_value_errors():
         pack_quantized(random_blocks("q4_1", 4, 64), "q5_0")
     with pytest.raises(ValueError, match="blocks must be"):
         pack_quantized(random_blocks("q4_1", 4, 64)[:, :-1], "q4_1")
+
+
+def _marches():
+    """-march values whose tiles this CPU can run: its own, the AVX2 + FMA tiles, the plain vectors."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    flags = set(cpu_kernels._cpu_flags().split())
+    return ["native", *(["haswell"] if {"avx2", "fma"} <= flags else []), "x86-64-v2"]
+
+
+@pytest.mark.parametrize("march", _marches())
+def test_every_tile_build_gives_the_float_weights_bits(tmp_path, march):
+    """quantized_check.cc (beside this file) runs the quantized and packed tiles of one build
+    side by side; built for the AVX2 + FMA tiles and the plain 16-lane vectors too, it checks on
+    this CPU the code other CPUs run."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    flags = [f if not f.startswith("-march=") else f"-march={march}" for f in cpu_kernels.FLAGS
+             if f not in ("-shared", "-fPIC")]
+    exe = tmp_path / "check"
+    built = subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", f"-I{cpu_kernels.HERE}",
+                            str(pathlib.Path(__file__).with_name("quantized_check.cc")), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr
