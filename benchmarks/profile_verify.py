@@ -2,14 +2,17 @@
 greedy acceptance) at several q_lens on the real model (``jspec.engine.profile.profile_ops``).
 
     python benchmarks/profile_verify.py [--q-lens 1,2,5,9] [--repeats 10] [--prompt-index 0]
-                                        [--compare-small-row-weights]
+                                        [--compare-small-row-weights] [--compare-float-weights]
 
 q_len 1 is a plain decoding step, q_len k + 1 the verification of k drafts. Each category is
 the median over calls of the summed durations of its XLA CPU thunks (their named-scope path in
 the compiled HLO), so the categories need not add up to the wall time (thunks may overlap,
 and dispatch between them is not counted); "wall" is the best call timed without the profiler.
-``--compare-small-row-weights`` adds the same profile with the small-row weight copy
-(``jspec.models.llama.with_small_row_weights``), in the same run.
+The engine's parameters are what it runs: on the CPU kernel, the small-row copy of the
+projections, as the GGUF file's own Q4_1 / Q8_0 blocks where it has them.
+``--compare-small-row-weights`` adds the same profile without the copy (the model's float32
+parameters through XLA), ``--compare-float-weights`` with a float32 copy in place of the blocks
+(``jspec.models.llama.with_small_row_weights`` without ``quantized``), in the same run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--prompt-index", type=int, default=0, help="HumanEval problem")
     ap.add_argument("--compare-small-row-weights", action="store_true")
+    ap.add_argument("--compare-float-weights", action="store_true")
     args = ap.parse_args()
     model = jspec.load_model()
     prompt = common.humaneval_prompts(args.prompt_index, 1)[0]
@@ -39,9 +43,12 @@ def main():
     print(f"SmolLM2-135M-Instruct (float32), HumanEval problem {args.prompt_index} ({len(ids)} prompt tokens), "
           f"median of {args.repeats} calls per q_len, ms")
     engine = prepared_engine(model, ids, SpecConfig("ngram", max(max(qs) - 1, 1)))
-    runs = [("the model's parameters", profile_ops(model, ids, qs, repeats=args.repeats, engine=engine))]
+    runs = [("the engine's parameters", profile_ops(model, ids, qs, repeats=args.repeats, engine=engine))]
     if args.compare_small_row_weights:
-        runs.append(("with the small-row weight copy",
+        runs.append(("the model's float32 parameters, no small-row copy",
+                     profile_ops(model, ids, qs, repeats=args.repeats, engine=engine, params=model.params)))
+    if args.compare_float_weights:
+        runs.append(("a float32 small-row copy in place of the GGUF's blocks",
                      profile_ops(model, ids, qs, repeats=args.repeats, engine=engine,
                                  params=with_small_row_weights(model.params))))
     for title, profs in runs:
