@@ -201,9 +201,12 @@ def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5 * np.abs(want_logits).max())
     prompts = [[5, 9, 200, 31], [77, 3]]
     sp = jspec.SamplingParams(max_tokens=12, ignore_eos=True)
-    on = jspec.generate(model, prompts, sp).token_ids
-    blocks, model.quantized = model.quantized, {}
-    assert jspec.generate(model, prompts, sp).token_ids == on
-    model.quantized = blocks
+    runs = {}
+    for flag in (True, False):
+        llm = jspec.LLM(model, max_num_seqs=2, max_model_len=64, quantized_weights=flag)
+        weight = llm.engine.runner.params["layers_0"]["mlp"]["down_proj"]["weight"]
+        assert (weight.dtype == np.uint8) == flag
+        runs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert runs[True] == runs[False]
     with pytest.raises(ConfigError, match="quantized_weights"):
         EngineConfig(quantized_weights="yes")
