@@ -12,7 +12,11 @@
 //     up to 8 rows of x);
 //   - packed layout [N / 4, K / 16, 4, 16] (pallas_kernels.small_rows.pack_rows, made once when
 //     the engine loads the weights): 4 weight rows interleaved 16 floats at a time, one stream,
-//     each vector against up to 5 rows of x (5 x 4 accumulators).
+//     each vector against up to 5 rows of x (5 x 4 accumulators);
+//   - quantized layouts uint8 [N / 4, K / 32, 4, 24 | 36] (pallas_kernels.small_rows.pack_quantized:
+//     a GGUF file's Q4_1 / Q8_0 blocks, 4 rows interleaved a block at a time): the packed tile's
+//     arithmetic on weights dequantized in registers (see "quantized weights" below), the same
+//     results bit for bit at a fifth of the bytes or less.
 // More rows of x run in further tiles that re-read the weight tile from L1. Weight rows are
 // split into chunks that XLA's intra-op thread pool and the calling thread take from a shared
 // counter.

@@ -13,6 +13,10 @@ shape: the kernel, a validated wrapper (:func:`small_rows_matmul`), and
 call (``small_rows.cc``'s second target): RMSNorm of ``x`` before it, a residual added after it,
 so that a decode step does not run them as XLA ops of their own between two products.
 
+The weight is rows [N, K], packed (:func:`pack_rows`), or a GGUF file's Q4_1 / Q8_0 blocks in the
+kernel's quantized layout (:func:`pack_quantized`), which it reads as they are and dequantizes in
+registers: the same results, bit for bit, as from the packed float32 weight.
+
 The wrapper lowers to the kernel on the CPU only, for float32 operands, when the kernel could
 be built (:func:`available`); everywhere else (GPUs, other dtypes, no compiler,
 ``JSPEC_CPU_KERNELS=0``) it lowers to the reference's ``dot_general``. Results equal the

@@ -133,11 +133,11 @@ class Checkpoint:
     def load(self, tokenizer: bool = True) -> LoadedModel:
         from jspec.loading.convert import check_load_fits, params_from_hf, quantized_weights
 
-        check_load_fits(self.config, str(self.source))
+        gguf = self.format == "gguf"
+        check_load_fits(self.config, str(self.source), self._tensors.quantized_bytes(self.config) if gguf else 0)
         get = self._tensors.get if self.format == "hf" else self._tensors.getter(self.config)
         params = params_from_hf(self.config, get, str(self.source))
-        quantized = quantized_weights(self.config, self._tensors.blocks_getter(self.config)) \
-            if self.format == "gguf" else {}
+        quantized = quantized_weights(self.config, self._tensors.blocks_getter(self.config)) if gguf else {}
         tok: Optional[Any] = load_tokenizer(self.format, self.source) if tokenizer else None
         return LoadedModel(self.config, params, tok, self.source, self.format, quantized)
 

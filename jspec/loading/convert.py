@@ -100,9 +100,11 @@ def load_bytes(cfg: ModelConfig) -> tuple[int, int]:
     return memory.weights_bytes(cfg), 3 * 4 * largest
 
 
-def check_load_fits(cfg: ModelConfig, source: str) -> None:
-    """Refuse a load that cannot fit (:class:`jspec.InsufficientMemoryError`), before it starts."""
+def check_load_fits(cfg: ModelConfig, source: str, extra_bytes: int = 0) -> None:
+    """Refuse a load that cannot fit (:class:`jspec.InsufficientMemoryError`), before it starts.
+    ``extra_bytes``: what the load keeps beside the parameters (a GGUF file's quantized blocks)."""
     device_bytes, host_bytes = load_bytes(cfg)
+    device_bytes += extra_bytes
     what = f"loading {source} ({cfg.num_params():,} parameters in {cfg.dtype})"
     device = jax.local_devices()[0]
     if device.platform == "cpu":

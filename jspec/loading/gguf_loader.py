@@ -193,6 +193,18 @@ class GGUFFile:
 
         return get
 
+    def quantized_bytes(self, config: ModelConfig) -> int:
+        """About what :meth:`blocks_getter`'s blocks take in the kernel's layout (records of 24
+        bytes per 32 Q4_1 weights, 36 per 32 Q8_0; every such tensor counted, rows padded to 4 not),
+        for a float32 load (none for another dtype): the memory check counts it."""
+        import gguf
+
+        if config.dtype != "float32":
+            return 0
+        per_block = {gguf.GGMLQuantizationType.Q4_1: 24, gguf.GGMLQuantizationType.Q8_0: 36}
+        return sum(int(np.prod(t.shape)) // 32 * per_block[t.tensor_type] for t in self.tensors.values()
+                   if t.tensor_type in per_block)
+
     def hf_tensors(self, config: ModelConfig) -> dict[str, np.ndarray]:
         """All model tensors under Hugging Face names, Q/K permutation undone."""
         get = self.getter(config)
