@@ -102,9 +102,10 @@ def load_bytes(cfg: ModelConfig) -> tuple[int, int]:
 
 def check_load_fits(cfg: ModelConfig, source: str, extra_bytes: int = 0) -> None:
     """Refuse a load that cannot fit (:class:`jspec.InsufficientMemoryError`), before it starts.
-    ``extra_bytes``: what the load keeps beside the parameters (a GGUF file's quantized blocks)."""
+    ``extra_bytes``: what the load keeps in host memory beside the parameters (a GGUF file's
+    quantized blocks, numpy until an engine on the CPU places them)."""
     device_bytes, host_bytes = load_bytes(cfg)
-    device_bytes += extra_bytes
+    host_bytes += extra_bytes
     what = f"loading {source} ({cfg.num_params():,} parameters in {cfg.dtype})"
     device = jax.local_devices()[0]
     if device.platform == "cpu":
