@@ -20,6 +20,7 @@ import numpy as np
 import common  # noqa: F401  (environment)
 
 import jspec
+from jspec.models.llama import small_rows_apply
 
 
 def main():
@@ -62,7 +63,7 @@ def main():
     # what a decode step reads: the blocks of the quantized projections and LM head, the rest
     # (norm gains, the embedding row looked up) in float32
     weight_bytes = f32_bytes
-    if model.quantized:
+    if model.quantized and small_rows_apply("float32"):  # the engine reads the blocks (the CPU kernels run)
         covered = sum(int(np.prod(w.shape)) for w in _covered(model))
         weight_bytes = (sum(q.nbytes for q in model.quantized.values())
                         + 4 * (model.config.num_params() - covered + model.config.hidden_size))
