@@ -171,9 +171,11 @@ constexpr int64_t record_bytes() {
 }
 
 constexpr int kQuantRows = 4;  // weight rows per tile (the records' interleave)
-// how far ahead the record stream is prefetched (into L2): 16-32 KB ran 4-10% faster than 8 KB
-// in small_rows_harness.cc qstream at 1-5 rows (BENCHMARKS.md, twenty-third session)
-constexpr int64_t kPrefetchBytes = 32768;
+// how far ahead the record stream is prefetched (into L2). 16-32 KB ran 4-10% faster than 8 KB in
+// small_rows_harness.cc qstream at 1-5 rows, but in the model's step 32 KB was 5-10% slower (three
+// alternated profiles; a chunk's records are ~27 KB, so it prefetched the other thread's chunk):
+// BENCHMARKS.md, twenty-third session.
+constexpr int64_t kPrefetchBytes = 8192;
 
 inline float read_f32(const uint8_t* p) {
   float f;
