@@ -8,8 +8,9 @@
 // q [B, T, Hq, D], k_pages / v_pages [KVH, P, S, D], block_tables int32 [B, W], kv_lens and
 // q_lens int32 [B] as paged_attention_cpu.cc takes them; x [M, H] with M = B T; the weights packed
 // (pallas_kernels.small_rows.pack_rows, K a multiple of 16 and N of 4, not padded): o
-// [H / 4, Hq D / 16, 4, 16], gate_up [2 I / 4, H / 16, 4, 16], down [H / 4, I / 16, 4, 16];
-// gain [H]. Out [M, H].
+// [H / 4, Hq D / 16, 4, 16], gate_up [2 I / 4, H / 16, 4, 16], down [H / 4, I / 16, 4, 16],
+// or any of them in a quantized layout (pallas_kernels.small_rows.pack_quantized: a GGUF file's
+// Q4_1 / Q8_0 blocks; the same results bit for bit); gain [H]. Out [M, H].
 //
 // The same arithmetic as the separate calls it replaces (the attention kernel, three small-row
 // products, XLA's silu): only the calls go. A decode step of SmolLM2-135M made ~150 kernel calls,
