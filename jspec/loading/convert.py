@@ -155,19 +155,27 @@ def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoin
         params["lm_head"] = {"kernel": dev(take("lm_head.weight").T)}
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        qkv = np.concatenate([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0).T
-        attn = {"qkv_proj": {"kernel": dev(qkv)}, "o_proj": {"kernel": dev(take(p + "self_attn.o_proj.weight").T)}}
+        layer = {"self_attn": {}, "mlp": {}}
+        for (module, name), sources in layer_projections(n):
+            layer[module][name] = {"kernel": dev(np.concatenate([take(s) for s in sources], axis=0).T)}
         if cfg.qkv_bias:
-            attn["qkv_proj"]["bias"] = dev(np.concatenate([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
-        gate_up = np.concatenate([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], axis=0).T
-        params[f"layers_{n}"] = {
-            "input_layernorm": {"scale": dev(take(p + "input_layernorm.weight"))},
-            "post_attention_layernorm": {"scale": dev(take(p + "post_attention_layernorm.weight"))},
-            "self_attn": attn,
-            "mlp": {"gate_up_proj": {"kernel": dev(gate_up)},
-                    "down_proj": {"kernel": dev(take(p + "mlp.down_proj.weight").T)}},
-        }
+            layer["self_attn"]["qkv_proj"]["bias"] = dev(np.concatenate([take(p + f"self_attn.{x}_proj.bias")
+                                                                         for x in "qkv"]))
+        layer["input_layernorm"] = {"scale": dev(take(p + "input_layernorm.weight"))}
+        layer["post_attention_layernorm"] = {"scale": dev(take(p + "post_attention_layernorm.weight"))}
+        params[f"layers_{n}"] = layer
     return params
+
+
+def layer_projections(n: int) -> tuple[tuple[tuple[str, str], tuple[str, ...]], ...]:
+    """Layer ``n``'s projections: (module, name) in the parameter tree, and the Hugging Face
+    weights whose rows they stack, in order (Q, K, V into ``qkv_proj``; gate, up into
+    ``gate_up_proj``: fewer, larger products)."""
+    p = f"model.layers.{n}."
+    return ((("self_attn", "qkv_proj"), tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+            (("self_attn", "o_proj"), (p + "self_attn.o_proj.weight",)),
+            (("mlp", "gate_up_proj"), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            (("mlp", "down_proj"), (p + "mlp.down_proj.weight",)))
 
 
 def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.ndarray]:
@@ -184,7 +192,7 @@ def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.
     shapes = expected_hf_shapes(cfg)
     out = {}
 
-    def fused(path, names):
+    def pack(path, names):
         parts = [get_blocks(n) for n in names]
         if any(p is None for p in parts) or len({q for q, _ in parts}) != 1:
             return
@@ -197,12 +205,9 @@ def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.
         out[path] = small_rows.pack_quantized(blocks, qtype)
 
     for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        fused((f"layers_{n}", "self_attn", "qkv_proj"), [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
-        fused((f"layers_{n}", "self_attn", "o_proj"), [p + "self_attn.o_proj.weight"])
-        fused((f"layers_{n}", "mlp", "gate_up_proj"), [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        fused((f"layers_{n}", "mlp", "down_proj"), [p + "mlp.down_proj.weight"])
-    fused(("lm_head_rows",), ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+        for where, sources in layer_projections(n):
+            pack((f"layers_{n}", *where), sources)
+    pack(("lm_head_rows",), ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
     return out
 
 
