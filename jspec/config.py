@@ -240,6 +240,7 @@ class SamplingParams:
 
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
+DRAFT_QUANTIZATIONS = ("q8_0", None)  # SpecConfig.draft_quantization
 CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
 HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
@@ -267,6 +268,11 @@ class SpecConfig:
     # lookup matches still propose up to k. The head's chain costs a head forward per draft, and
     # on text it drafts poorly (prose) its later drafts rarely pay for themselves
     head_tokens: Optional[int] = None
+    # draft / eagle / hybrid, where the CPU small-row kernel runs the drafter (CPU, float32): its
+    # projections and draft-vocabulary LM head quantized to Q8_0 at load (llama.cpp's quantizer),
+    # reading ~0.28x the bytes a draft token. Drafts only propose: the output is exactly the same
+    # (verification decides), which tokens are proposed may differ by Q8_0's rounding. None: float32.
+    draft_quantization: Optional[str] = "q8_0"
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -285,6 +291,8 @@ class SpecConfig:
                 raise ConfigError(f"head_tokens applies to spec method 'hybrid', not {self.method!r}")
             if not _is_int(self.head_tokens) or not 1 <= self.head_tokens <= MAX_SPECULATIVE_TOKENS:
                 raise ConfigError(f"head_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.head_tokens!r}")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ConfigError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, got {self.draft_quantization!r}")
         if self.ngram_history > MAX_NGRAM_HISTORY:
             raise ConfigError(f"ngram_history must be <= {MAX_NGRAM_HISTORY} tokens, got {self.ngram_history}")
         if self.method == "none":
@@ -323,7 +331,7 @@ class SpecConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
-                 "layers", "dynamic_k", "ngram_history", "head_tokens"}
+                 "layers", "dynamic_k", "ngram_history", "head_tokens", "quantization"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
@@ -342,6 +350,8 @@ class SpecConfig:
             kw["ngram_history"] = d["ngram_history"]
         if d.get("head_tokens") is not None:
             kw["head_tokens"] = d["head_tokens"]
+        if "quantization" in d:
+            kw["draft_quantization"] = d["quantization"]
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers",
                      "head_tokens"):
             if name in kw and not _is_int(kw[name]):

@@ -135,3 +135,20 @@ def test_engine_batches_real_requests_losslessly(smollm2):
         assert [o.outputs[0].token_ids for o in outs] == alone, config
         if not config.get("dynamic_k"):
             assert llm.engine.stats.num_drafts > 0, config
+
+
+def test_a_draft_vocabularys_q8_0_head_is_the_targets_own_blocks(smollm2):
+    """The engine quantizes an EAGLE head's draft-vocabulary LM head to Q8_0 (SpecConfig's
+    draft_quantization); those rows are the target's dequantized Q8_0 embedding, so they come back
+    as the GGUF file's own blocks, record for record: that head's logits do not change."""
+    from jspec.loading.convert import quantized_drafter_weights
+    from jspec.models.eagle import HEAD_PROJECTIONS
+    from jspec.speculative.drafters.eagle import make_eagle_drafter
+
+    _, params = make_eagle_drafter(jspec.SpecConfig("eagle", 2, draft="smollm2-135m-eagle3"), smollm2)
+    ids = np.asarray(params["vocab_ids"])
+    ours = quantized_drafter_weights(params, HEAD_PROJECTIONS)[("lm_head_rows",)]
+    target = smollm2.quantized[("lm_head_rows",)]
+    assert ours.shape[-1] == target.shape[-1] == 36  # Q8_0 records
+    rows = lambda packed: packed.transpose(0, 2, 1, 3).reshape(-1, packed.shape[1], packed.shape[3])  # noqa: E731
+    np.testing.assert_array_equal(rows(ours)[:len(ids)], rows(target)[ids])

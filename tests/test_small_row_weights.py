@@ -160,3 +160,107 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
             np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
             for a, b in zip(got.cache.k_pages + got.cache.v_pages, want.cache.k_pages + want.cache.v_pages):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ a drafter's weights as Q8_0
+def test_quantize_rows_is_llama_cpps_q8_0_and_keeps_q8_0_values_exactly():
+    """``quantize_rows``: per 32 weights d = max |w| / 127 (float16), q = round(w / d); each weight
+    comes back within half a step (and d's rounding), and rows that already are Q8_0 values come back bit for bit
+    (the target's Q8_0 LM-head rows, which a draft vocabulary's head reads)."""
+    from jspec.loading.convert import quantize_rows
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(7, 96)).astype(np.float32) * np.array([0.03, 1.0, 30.0], np.float32).repeat(32)  # d float16-normal
+    w[2, 32:64] = 0.0  # an all-zero block: d = 0
+    back = np.asarray(small_rows.dequantize(jnp.asarray(quantize_rows(w)), 7))
+    d = (np.abs(w.reshape(7, 3, 32)).max(-1) / 127).astype(np.float16).astype(np.float32)
+    err = np.abs(back - w).reshape(7, 3, 32).max(-1)
+    # half a step, plus the float16 rounding of d times |q| <= 127
+    assert (err <= d * (0.5 + 127 * 2.0 ** -11) * (1 + 1e-6)).all() and (back[2, 32:64] == 0).all()
+    assert not np.array_equal(back, w)  # lossy for arbitrary floats ...
+    q = rng.integers(-127, 128, size=(5, 64)).astype(np.float32)
+    q[:, ::32] = 127  # a block's largest |q| is 127, as llama.cpp's quantizer leaves it
+    scales = rng.uniform(1e-3, 1e-1, size=(5, 2, 1)).astype(np.float16).astype(np.float32)
+    exact = (q.reshape(5, 2, 32) * scales).reshape(5, 64)
+    np.testing.assert_array_equal(np.asarray(small_rows.dequantize(jnp.asarray(quantize_rows(exact)), 5)), exact)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_rows(np.ones((4, 40), np.float32))
+    with pytest.raises(ValueError, match="q8_0"):
+        quantize_rows(w, "q4_0")
+
+
+def _eagle(model, layers=(0, 2, 3)):
+    cfg = model.config
+    vocab_ids = jnp.arange(0, cfg.vocab_size, 2, dtype=jnp.int32)
+    params = {"head": init_eagle_params(cfg, jax.random.key(1), model.params, num_features=len(layers)),
+              "lm_head": output_embedding(model.params, cfg)[vocab_ids], "vocab_ids": vocab_ids}
+    return EagleDrafter(3, cfg, feature_layers=layers), params
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", None])
+def test_a_drafters_weights_are_quantized_to_q8_0_and_the_output_stays_exact(kernels_on, quantization):
+    """``SpecConfig.draft_quantization`` (default "q8_0"): the engine keeps an EAGLE head's
+    projections and its draft-vocabulary LM head as Q8_0 blocks (float32 packed copies with None);
+    the blocks are the float weights to within Q8_0's rounding, the head's draft logits move by no
+    more than that, and the output is the target's greedy output either way."""
+    from jspec.loading.convert import quantized_drafter_weights
+    from jspec.speculative.drafters.base import draft_vocab_logits
+
+    model = tiny_model(tiny_config(num_layers=4), scale=3.0)
+    drafter, params = _eagle(model)
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(1, model.config.vocab_size, n)) * 2 for n in (5, 9, 13)]
+    plain, _ = _greedy(model, SpecConfig(), True, prompts)
+    out, engine = _greedy(model, SpecConfig(draft_quantization=quantization), True, prompts, drafter, params)
+    assert out == plain
+    assert engine.stats.num_drafts > 0
+    dp = engine.runner.drafter_params
+    copies = {p: w for p, w in (("/".join(str(getattr(k, "key", k)) for k in path), w) for path, w in
+                                jax.tree_util.tree_flatten_with_path(dp)[0]) if p.endswith("/weight")}
+    assert sorted(p.split("/")[-2] for p in copies) == sorted(HEAD_PROJECTIONS)
+    if quantization is None:
+        assert all(w.dtype == jnp.float32 for w in copies.values()) and "lm_head_rows" not in dp
+        return
+    assert all(small_rows.quantized_type(w) == "q8_0" for w in copies.values())
+    expected = quantized_drafter_weights(params, HEAD_PROJECTIONS)
+    assert set(expected) == {tuple(p.split("/")[:-1]) for p in copies} | {("lm_head_rows",)}
+    for p, w in copies.items():
+        kernel = np.asarray(params["head"][p.split("/")[1]]["kernel"] if p.count("/") == 2 else
+                            params["head"]["layer"][p.split("/")[2]][p.split("/")[3]]["kernel"])
+        back = np.asarray(small_rows.dequantize(w, kernel.shape[1]))
+        np.testing.assert_allclose(back, kernel.T, atol=np.abs(kernel).max() / 127)
+    h = jax.random.normal(jax.random.key(3), (2, model.config.hidden_size))
+    exact = draft_vocab_logits(h, params, model.config.vocab_size)
+    quant = draft_vocab_logits(h, dp, model.config.vocab_size)
+    keep = np.isfinite(np.asarray(exact))
+    assert (np.isfinite(np.asarray(quant)) == keep).all()
+    scale = float(np.abs(np.asarray(exact)[keep]).max())
+    np.testing.assert_allclose(np.asarray(quant)[keep], np.asarray(exact)[keep], atol=0.02 * scale)
+    assert not np.array_equal(np.asarray(quant), np.asarray(exact))  # the blocks are read, not the floats
+
+
+def test_a_draft_models_layers_and_head_rows_are_quantized_too():
+    """A draft model's tree: its layers' projections, and the rows its logits read (a draft
+    vocabulary's ``lm_head``, or a whole model's untied ``lm_head`` / tied embedding)."""
+    from jspec.loading.convert import quantized_drafter_weights
+
+    draft = tiny_model(tiny_config(num_layers=2))
+    full = quantized_drafter_weights(draft.params, HEAD_PROJECTIONS)
+    layer_keys = {(f"layers_{n}", *w) for n in range(2) for w in
+                  (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))}
+    assert set(full) == layer_keys | {("lm_head_rows",)}
+    np.testing.assert_allclose(np.asarray(small_rows.dequantize(jnp.asarray(full[("lm_head_rows",)]), 96)),
+                               np.asarray(draft.params["lm_head"]["kernel"]).T, atol=0.02)
+    ids = jnp.arange(10, dtype=jnp.int32)
+    vocab = quantized_drafter_weights({"model": draft.params, "lm_head": draft.params["lm_head"]["kernel"].T[ids],
+                                       "vocab_ids": ids}, HEAD_PROJECTIONS)
+    assert set(vocab) == {("model", *k) for k in layer_keys} | {("lm_head_rows",)}
+    assert vocab[("lm_head_rows",)].shape[0] == 3  # 10 rows, 4 to a group
+
+
+def test_draft_quantization_is_q8_0_or_none():
+    assert SpecConfig("eagle", draft="x").draft_quantization == "q8_0"
+    assert SpecConfig.from_dict({"method": "eagle", "model": "x", "quantization": None}).draft_quantization is None
+    for bad in ("q4_0", "Q8_0", 8):
+        with pytest.raises(ConfigError, match="draft_quantization"):
+            SpecConfig("eagle", draft="x", draft_quantization=bad)

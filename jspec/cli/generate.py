@@ -47,6 +47,9 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
                    help="--spec hybrid: the head drafts at most N tokens where lookup finds no match (default: k)")
     g.add_argument("--ngram-history", type=int, default=0, metavar="TOKENS",
                    help="--spec ngram: also look up in the last TOKENS tokens of finished requests (default 0: off)")
+    g.add_argument("--draft-quantization", default="q8_0", choices=["q8_0", "none"],
+                   help="--spec draft / eagle / hybrid on the CPU: the drafter's weights as Q8_0 blocks (default) or "
+                        "float32; the output is the same either way")
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
@@ -129,6 +132,8 @@ def cmd_generate(args) -> int:
         spec = dataclasses.replace(spec, ngram_history=args.ngram_history)  # checked by SpecConfig
     if args.head_tokens is not None:
         spec = dataclasses.replace(spec, head_tokens=args.head_tokens)  # checked by SpecConfig
+    if args.draft_quantization == "none":
+        spec = dataclasses.replace(spec, draft_quantization=None)
     params = []
     for i, it in enumerate(items):
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}

@@ -40,6 +40,7 @@ from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_up
 from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
+from jspec.loading.convert import quantized_drafter_weights
 from jspec.models.eagle import HEAD_PROJECTIONS
 from jspec.models.llama import Segment, small_rows_apply, with_small_row_weights
 from jspec.models.tensor_parallel import tp_config
@@ -188,7 +189,10 @@ class LLMEngine:
         quantized = getattr(model, "quantized", None) if config.quantized_weights else None
         params = with_small_row_weights(model.params, quantized=quantized) if copy else model.params
         if copy and isinstance(drafter_params, dict):  # a draft model's layers, an EAGLE head's projections
-            drafter_params = with_small_row_weights(drafter_params, HEAD_PROJECTIONS)
+            q = self.spec.draft_quantization
+            drafter_params = with_small_row_weights(
+                drafter_params, HEAD_PROJECTIONS,
+                quantized=q and quantized_drafter_weights(drafter_params, HEAD_PROJECTIONS, q))
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

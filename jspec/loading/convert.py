@@ -211,6 +211,54 @@ def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.
     return out
 
 
+def quantize_rows(rows, qtype: str = "q8_0") -> np.ndarray:
+    """Float rows [N, K] (K a multiple of 32) quantized as llama.cpp does (the ``gguf`` package's
+    Q8_0 quantizer: per 32 weights d = max |w| / 127 in float16, q = round(w / d)), in the CPU
+    small-row kernel's quantized layout. Lossy (~0.4% of a block's largest weight at most), except
+    for rows that are Q8_0 values already, which come back bit for bit."""
+    import gguf
+
+    if qtype != "q8_0":
+        raise ValueError(f"quantize_rows: qtype must be 'q8_0', got {qtype!r}")
+    w = np.asarray(jax.device_get(rows), np.float32)
+    if w.ndim != 2 or w.shape[1] % small_rows.QUANT_BLOCK:
+        raise ValueError(f"quantize_rows: rows must be [N, K] with K a multiple of {small_rows.QUANT_BLOCK}, "
+                         f"got {w.shape}")
+    return small_rows.pack_quantized(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), qtype)
+
+
+def quantized_drafter_weights(params, names: tuple[str, ...], qtype: str = "q8_0") -> dict[tuple[str, ...], np.ndarray]:
+    """A drafter's float32 weights quantized for the small-row kernel (:func:`quantize_rows`), keyed
+    as :func:`quantized_weights` keys a GGUF file's: every projection called one of ``names``
+    (``kernel`` [in, out], so its transpose) whose input width is a multiple of 32, and as
+    ``("lm_head_rows",)`` the rows its logits read: a draft vocabulary's ``lm_head`` [V', H]
+    (EAGLE heads, jspec draft models) or a whole draft model's output embedding. Drafts only
+    propose, so the output stays exact (verification decides); what changes is which tokens are
+    proposed, by Q8_0's rounding. The target's own Q8_0 LM-head rows quantize to themselves."""
+    out = {}
+
+    def walk(tree, path):
+        for name, sub in tree.items():
+            if not isinstance(sub, dict):
+                continue
+            kernel = sub.get("kernel")
+            if name in names and kernel is not None and kernel.ndim == 2 and kernel.shape[0] % small_rows.QUANT_BLOCK == 0:
+                out[(*path, name)] = quantize_rows(np.asarray(jax.device_get(kernel)).T, qtype)
+            else:
+                walk(sub, (*path, name))
+
+    walk(params, ())
+    if "vocab_ids" in params:
+        rows = params["lm_head"]
+    elif "embed_tokens" in params:
+        rows = params["lm_head"]["kernel"].T if "lm_head" in params else params["embed_tokens"]["embedding"]
+    else:
+        rows = None
+    if rows is not None and rows.shape[-1] % small_rows.QUANT_BLOCK == 0:
+        out[("lm_head_rows",)] = quantize_rows(rows, qtype)
+    return out
+
+
 def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     """The inverse of :func:`params_from_hf` (export to a Hugging Face directory)."""
     q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size

@@ -231,12 +231,14 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
 
-def times_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+def times_rows(x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = None) -> jax.Array:
     """``x`` [..., K] times ``rows`` [N, K] transposed -> float32 [..., N] (a tied LM head, a draft
     vocabulary's embedding rows): a few float32 rows go through the CPU small-row kernel, which
-    reads ``rows`` as they are (no packed copy), anything else through XLA's product."""
+    reads ``rows`` as they are (no packed copy), or ``quantized``, the same rows in its quantized
+    layout, where given; anything else through XLA's product."""
     if _few_rows(x, rows.dtype):
-        return small_rows.small_rows_matmul(x.astype(jnp.float32), rows)
+        return small_rows.small_rows_matmul(x.astype(jnp.float32), rows if quantized is None else quantized,
+                                            rows.shape[0])
     return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
 
 
@@ -435,14 +437,14 @@ class LlamaForCausalLM(nn.Module):
 
     def head(self, hidden):  # [..., H] (after the final norm) -> float32 logits [..., V]
         rows = self.variables.get("params", {}).get("lm_head_rows")  # quantized (with_small_row_weights)
-        if rows is not None and _few_rows(hidden, self.config.dtype):
-            logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
-        elif self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
             if _few_rows(hidden, self.config.dtype):
-                logits = times_rows(hidden, self.embed_tokens.embedding)
+                logits = times_rows(hidden, self.embed_tokens.embedding, rows)
             else:
                 logits = self.embed_tokens.attend(hidden)
+        elif rows is not None and _few_rows(hidden, self.config.dtype):
+            logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

@@ -108,14 +108,18 @@ def sample_chain(step_fn, carry, first_logits: jax.Array, keys: jax.Array, k: in
     return drafts, logits, carry
 
 
-def draft_vocab_logits(hidden: jax.Array, head: jax.Array, vocab_ids: jax.Array, vocab_size: int) -> jax.Array:
+def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int) -> jax.Array:
     """Logits over the full vocabulary [B, V] from a head over a draft vocabulary.
 
-    ``head`` [V', H] holds the target's output embedding rows of the V' tokens ``vocab_ids``
-    (the most frequent ones in the training data, as EAGLE-3's draft vocabulary): the draft
-    reads a V'/V share of the LM head per token. Tokens outside it get ``-inf``: never drafted,
-    q = 0 there, which rejection sampling handles exactly (the target still emits them).
+    ``dparams["lm_head"]`` [V', H] holds the target's output embedding rows of the V' tokens
+    ``dparams["vocab_ids"]`` (the most frequent ones in the training data, as EAGLE-3's draft
+    vocabulary): the draft reads a V'/V share of the LM head per token. Tokens outside it get
+    ``-inf``: never drafted, q = 0 there, which rejection sampling handles exactly (the target
+    still emits them). ``dparams["lm_head_rows"]``, where the engine quantized the drafter
+    (``jspec.loading.convert.quantized_drafter_weights``): the same rows as Q8_0 blocks, which the
+    CPU small-row kernel reads for a few rows instead.
     """
-    small = times_rows(hidden, head)  # [B, V'] (a few rows: the CPU small-row kernel)
+    head, vocab_ids = dparams["lm_head"], dparams["vocab_ids"]
+    small = times_rows(hidden, head, dparams.get("lm_head_rows"))  # [B, V'] (a few rows: the CPU small-row kernel)
     full = jnp.full((hidden.shape[0], vocab_size), -jnp.inf, jnp.float32)
     return full.at[:, vocab_ids].set(small)

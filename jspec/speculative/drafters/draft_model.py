@@ -67,7 +67,7 @@ class DraftModelDrafter:
             attention=self.attention, logits_for=(not self.draft_vocab,))
         if self.draft_vocab:
             h = jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0]
-            return draft_vocab_logits(h, dparams["lm_head"], dparams["vocab_ids"], self.config.vocab_size), cache
+            return draft_vocab_logits(h, dparams, self.config.vocab_size), cache
         return jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0], cache
 
     def init_state(self, target_params, drafter_params, cache) -> DraftModelState:

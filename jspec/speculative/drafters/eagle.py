@@ -114,7 +114,7 @@ class EagleDrafter:
             cache, feat = carry
             out = eagle_forward(dparams["head"], c, _embed(target_params, tok), feat[:, None], cache, q_lens,
                                 self.attention, fused=fused)
-            logits = draft_vocab_logits(out.normed[:, 0], dparams["lm_head"], dparams["vocab_ids"], c.vocab_size)
+            logits = draft_vocab_logits(out.normed[:, 0], dparams, c.vocab_size)
             return logits, (out.context, out.chained[:, 0])
 
         return step
