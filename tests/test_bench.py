@@ -79,7 +79,7 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
     ("ngram:x", "K must be an integer"), ("ngram:40", "1..16"), ("beam:4", "unknown method"),
     ("ar,ar", "twice"), ("layerskip:a:2", "integer L"), ("draft:", "needs a checkpoint"),
     ("eagle:x:3+history", "only ngram and hybrid"), ("ngram:3+fast", "K must be an integer"),
-    ("ngram:3+dynamic+dynamic", "twice"), ("ar+dynamic", "unknown method"),
+    ("ngram:3+dynamic+dynamic", "twice"), ("ar+dynamic", "unknown method"), ("ngram:3+f32", "only draft, eagle"),
 ])
 def test_bad_methods_are_refused(text, fragment):
     with pytest.raises(jspec.ConfigError, match=fragment):
@@ -93,6 +93,9 @@ def test_dynamic_and_history_suffixes():
     assert m.spec.dynamic_k and m.spec.ngram_history == bench.HISTORY_TOKENS and m.spec.draft == "/tmp/h"
     assert m.spec.num_speculative_tokens == 3 and m.name.endswith("k=3 +history +dynamic")
     assert not bench.parse_method("ngram:4").spec.dynamic_k
+    m = bench.parse_method("eagle:/tmp/h:2+f32")
+    assert m.spec.draft_quantization is None and m.name.endswith("k=2 +f32") and m.spec.draft == "/tmp/h"
+    assert bench.parse_method("eagle:/tmp/h:2").spec.draft_quantization == "q8_0"
     assert bench.parse_method("layerskip:10:2+dynamic").spec.dynamic_k
     assert bench.parse_method("eagle:/tmp/a+b:2+dynamic").spec.draft == "/tmp/a+b"  # only known suffixes come off
 

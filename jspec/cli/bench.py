@@ -33,7 +33,8 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
                    help="comma-separated: ar, ngram:K, layerskip:L:K, draft:NAME:K, eagle:NAME:K, hybrid:NAME:K; "
                    "ngram and hybrid also with +history (a lookup history over the earlier prompts), any "
                    "speculative one with +dynamic (the engine picks k per burst, 0..K), hybrid with +headN "
-                   "(the head drafts at most N) "
+                   "(the head drafts at most N), draft / eagle / hybrid with +f32 (float32 drafter weights, "
+                   "not Q8_0) "
                    f"(default {DEFAULT_METHODS})")
     b.add_argument("--peers", default="", help="transformers (greedy + prompt lookup), "
                    "transformers-assisted:DRAFT (also assisted generation with a small-llama draft)")

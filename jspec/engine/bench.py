@@ -11,7 +11,8 @@ Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the refer
 history (``SpecConfig.ngram_history``): each prompt's lookup also searches the earlier prompts'
 text (the warm-up's is forgotten). A speculative method ``+dynamic`` lets the engine pick k per
 burst, 0 .. K, by its measured step costs (``SpecConfig.dynamic_k``), e.g. ``ngram:4+dynamic``
-beside ``ngram:4``. Every jspec method runs the prompts in order through one
+beside ``ngram:4``; a draft, eagle or hybrid method ``+f32`` keeps its drafter's weights in float32
+(``SpecConfig.draft_quantization`` None; by default they are Q8_0 blocks on the CPU). Every jspec method runs the prompts in order through one
 engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
 (:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
 and prompt lookup on the same weights, and its assisted generation with a draft.
@@ -79,7 +80,7 @@ class Method:
 def parse_method(text: str) -> Method:
     """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]``, the
     speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``; hybrid ``+headN``: the
-    head drafts at most N) -> a jspec Method."""
+    head drafts at most N; draft, eagle, hybrid ``+f32``: float32 drafter weights) -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:
@@ -95,7 +96,7 @@ def parse_method(text: str) -> Method:
         return Method("jspec ar", SpecConfig())
     suffixes = []  # taken off the end only: a checkpoint path may hold a "+"
     head = None  # +headN's N
-    while (m := re.search(r"\+(history|dynamic|head)(\d*)$", rest)):
+    while (m := re.search(r"\+(history|dynamic|head|f32)(\d*)$", rest)):
         suffix, number = m.groups()
         if suffix in suffixes:
             raise ConfigError(f"method {text!r}: +{suffix} twice")
@@ -110,9 +111,12 @@ def parse_method(text: str) -> Method:
         raise ConfigError(f"method {text!r}: only hybrid takes +headN")
     if "dynamic" in suffixes and kind not in ("ngram", "layerskip", *CHECKPOINT_METHODS):
         raise ConfigError(f"method {text!r}: +dynamic is for speculative methods")
+    if "f32" in suffixes and kind not in CHECKPOINT_METHODS:
+        raise ConfigError(f"method {text!r}: only draft, eagle and hybrid take +f32")
     extra = {"ngram_history": HISTORY_TOKENS} if "history" in suffixes else {}
     extra |= {"dynamic_k": True} if "dynamic" in suffixes else {}
     extra |= {"head_tokens": head} if head is not None else {}
+    extra |= {"draft_quantization": None} if "f32" in suffixes else {}
     tag = "".join(f" +{s}{head if s == 'head' else ''}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
@@ -134,7 +138,7 @@ def parse_method(text: str) -> Method:
         return Method(f"jspec {kind} {os.path.basename(name.rstrip('/'))} k={k}{tag}",
                       SpecConfig(kind, k, draft=name, **extra))
     raise ConfigError(f"unknown method {text!r} (ar, ngram:K[+history], layerskip:L:K, draft:NAME:K, eagle:NAME:K, "
-                      "hybrid:NAME:K[+history][+headN]; any speculative one +dynamic)")
+                      "hybrid:NAME:K[+history][+headN]; any speculative one +dynamic; draft, eagle, hybrid +f32)")
 
 
 def parse_methods(text: str) -> list[Method]:
