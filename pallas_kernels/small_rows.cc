@@ -257,17 +257,24 @@ void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, in
 }
 
 #else
-constexpr int kMaxRowsQuant = 2;  // 8 accumulators, 2 rows of x, the weight vector, d, m
+// 16 registers: the 4 x R accumulators of the AVX-512 tile do not fit for R > 2. From 3 rows of x
+// on, the tile takes its 4 weight rows two at a time (2 R accumulators; the second pass reads the
+// records from L1) and each FMA reads x from memory (L1: a tile's rows of x are a few KB): every
+// weight is still dequantized once for all R rows, and each accumulator sums the same products in
+// the same order as the packed tile's. (Holding 2 rows of x in registers for all 4 weight rows,
+// as before, dequantized each weight once per 2 rows: a 5-row product cost ~3x a 1-row one, now
+// ~2x; BENCHMARKS.md, twenty-fourth session.)
+constexpr int kMaxRowsQuant = 5;
 
-// Weights 8 e .. 8 e + 8 of a record (e in 0 .. 3), as float32.
+// Weights 8 e .. 8 e + 8 of a record (e in 0 .. 3), as float32 (d q is exact: fma(q, d, m) is
+// the d q + m of GGUF's dequantization, rounded once).
 template <Layout L>
 inline __m256 dequant8(const uint8_t* rec, int e) {
   if constexpr (L == Layout::kQ4_1) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 8 + 8 * (e & 1)));
     __m256i q = _mm256_cvtepu8_epi32(b);
     q = e >= 2 ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(read_f32(rec))),
-                         _mm256_set1_ps(read_f32(rec + 4)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(read_f32(rec)), _mm256_set1_ps(read_f32(rec + 4)));
   } else {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 4 + 8 * e));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(read_f32(rec)));
@@ -277,36 +284,45 @@ inline __m256 dequant8(const uint8_t* rec, int e) {
 template <Layout L, int R>
 void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n) {
   constexpr int64_t RB = record_bytes<L>();
-  __m256 acc[R][kQuantRows];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < kQuantRows; ++j) acc[i][j] = _mm256_setzero_ps();
-  const uint8_t* rec = wt;
   const float* xm = x + m * K;
-  for (int64_t k = 0; k < K; k += jspec_cpu::kQuantBlock, rec += kQuantRows * RB) {
-#pragma GCC unroll 4
-    for (int64_t b = 0; b < kQuantRows * RB; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchBytes + b), _MM_HINT_T1);
-#pragma GCC unroll 4
-    for (int e = 0; e < 4; ++e) {
-      __m256 xv[R];
+  constexpr int J = R <= 2 ? kQuantRows : 2;  // weight rows per pass over the tile
+#pragma GCC unroll 1
+  for (int jh = 0; jh < kQuantRows; jh += J) {
+    __m256 acc[R][J];
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        xv[i] = _mm256_loadu_ps(xm + i * K + k + 8 * e);
-        jspec_cpu::pin(xv[i]);
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm256_setzero_ps();
+    const uint8_t* rec = wt;
+    for (int64_t k = 0; k < K; k += jspec_cpu::kQuantBlock, rec += kQuantRows * RB) {
+      if (jh == 0) {  // the second pair's records came in with the first's
+#pragma GCC unroll 4
+        for (int64_t b = 0; b < kQuantRows * RB; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchBytes + b), _MM_HINT_T1);
       }
 #pragma GCC unroll 4
-      for (int j = 0; j < kQuantRows; ++j) {
-        __m256 wv = dequant8<L>(rec + j * RB, e);
-        jspec_cpu::pin(wv);
+      for (int e = 0; e < 4; ++e) {
+        __m256 xv[R];  // all 4 weight rows at once: x in registers
+        if constexpr (J == kQuantRows) {
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+          for (int i = 0; i < R; ++i) {
+            xv[i] = _mm256_loadu_ps(xm + i * K + k + 8 * e);
+            jspec_cpu::pin(xv[i]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) {
+          __m256 wv = dequant8<L>(rec + (jh + j) * RB, e);
+          jspec_cpu::pin(wv);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i)
+            acc[i][j] = _mm256_fmadd_ps(J == kQuantRows ? xv[i] : _mm256_loadu_ps(xm + i * K + k + 8 * e), wv, acc[i][j]);
+        }
       }
     }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < J; ++j) y[(m + i) * N + n + jh + j] = jspec_cpu::hsum8(acc[i][j]);
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < kQuantRows; ++j) y[(m + i) * N + n + j] = jspec_cpu::hsum8(acc[i][j]);
 }
 #endif
 
