@@ -240,7 +240,7 @@ class SamplingParams:
 
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
-DRAFT_QUANTIZATIONS = ("q8_0", None)  # SpecConfig.draft_quantization
+DRAFT_QUANTIZATIONS = ("auto", "q8_0", None)  # SpecConfig.draft_quantization
 CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
 HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
@@ -268,11 +268,13 @@ class SpecConfig:
     # lookup matches still propose up to k. The head's chain costs a head forward per draft, and
     # on text it drafts poorly (prose) its later drafts rarely pay for themselves
     head_tokens: Optional[int] = None
-    # draft / eagle / hybrid, where the CPU small-row kernel runs the drafter (CPU, float32): its
-    # projections and draft-vocabulary LM head quantized to Q8_0 at load (llama.cpp's quantizer),
-    # reading ~0.28x the bytes a draft token. Drafts only propose: the output is exactly the same
-    # (verification decides), which tokens are proposed may differ by Q8_0's rounding. None: float32.
-    draft_quantization: Optional[str] = "q8_0"
+    # Where the CPU small-row kernel runs the drafter (CPU, float32): "q8_0" keeps its projections
+    # and its (draft-vocabulary) LM head as Q8_0 blocks (llama.cpp's quantizer, at load), reading
+    # ~0.28x the bytes a draft token. Drafts only propose: the output is exactly the same
+    # (verification decides); which tokens are proposed may differ by Q8_0's rounding. None:
+    # float32. "auto": "q8_0" for the drafters jspec loads from a checkpoint (draft, eagle,
+    # hybrid), None for drafter parameters passed to the engine as they are.
+    draft_quantization: Optional[str] = "auto"
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:

@@ -42,7 +42,7 @@ SOURCES = (HERE / "small_rows.cc", HERE / "paged_attention_cpu.cc", HERE / "laye
 HEADERS = (HERE / "cpu_common.h", HERE / "small_rows.h", HERE / "paged_attention_cpu.h")
 TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_small_rows_fused": "JspecSmallRowsFused",
            "jspec_paged_attention": "JspecPagedAttention", "jspec_layer_tail": "JspecLayerTail",
-           "jspec_decoder_layer": "JspecDecoderLayer"}
+           "jspec_decoder_layer": "JspecDecoderLayer", "jspec_row_argmax": "JspecRowArgmax"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

@@ -202,6 +202,35 @@ def small_rows_matmul(x: jax.Array, w: jax.Array, n: int | None = None) -> jax.A
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+# ------------------------------------------------------------------ a row's argmax
+ARGMAX_TARGET = "jspec_row_argmax"
+
+
+def row_argmax_reference(x: jax.Array) -> jax.Array:
+    """int32 [...]: the first index of the maximum of ``x`` [..., V] (a max, then the smallest
+    index holding it: on XLA's CPU backend 1.5-3x faster than ``jnp.argmax``'s (value, index)
+    reduction, which it does not vectorize). An all-NaN row gives V - 1."""
+    v = x.shape[-1]
+    hit = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
+
+
+def _argmax_kernel(x2: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call(ARGMAX_TARGET, out, vmap_method="sequential")(x2)
+
+
+def row_argmax(x: jax.Array) -> jax.Array:
+    """:func:`row_argmax_reference` for float32 ``x`` on the CPU kernel (``small_rows.cc``), where
+    it is :func:`available`: the same index for every row without NaN (the kernel passes NaN
+    entries over; the reference's maximum is NaN there, so it gives V - 1). Elsewhere the reference."""
+    if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0 or not available():
+        return row_argmax_reference(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.lax.platform_dependent(x2, cpu=_argmax_kernel, default=row_argmax_reference)
+    return y.reshape(x.shape[:-1])
+
+
 def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """Llama's RMSNorm (jspec.models.llama.RMSNorm): ``scale * x / sqrt(mean(x^2) + eps)``."""
     xf = x.astype(jnp.float32)

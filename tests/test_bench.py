@@ -95,7 +95,7 @@ def test_dynamic_and_history_suffixes():
     assert not bench.parse_method("ngram:4").spec.dynamic_k
     m = bench.parse_method("eagle:/tmp/h:2+f32")
     assert m.spec.draft_quantization is None and m.name.endswith("k=2 +f32") and m.spec.draft == "/tmp/h"
-    assert bench.parse_method("eagle:/tmp/h:2").spec.draft_quantization == "q8_0"
+    assert bench.parse_method("eagle:/tmp/h:2").spec.draft_quantization == "auto"
     assert bench.parse_method("layerskip:10:2+dynamic").spec.dynamic_k
     assert bench.parse_method("eagle:/tmp/a+b:2+dynamic").spec.draft == "/tmp/a+b"  # only known suffixes come off
 

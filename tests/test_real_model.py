@@ -152,3 +152,9 @@ def test_a_draft_vocabularys_q8_0_head_is_the_targets_own_blocks(smollm2):
     assert ours.shape[-1] == target.shape[-1] == 36  # Q8_0 records
     rows = lambda packed: packed.transpose(0, 2, 1, 3).reshape(-1, packed.shape[1], packed.shape[3])  # noqa: E731
     np.testing.assert_array_equal(rows(ours)[:len(ids)], rows(target)[ids])
+    # and an engine that loads the head itself keeps them ("auto": a checkpoint's drafter)
+    from jspec.engine.engine import LLMEngine
+
+    engine = LLMEngine(smollm2, jspec.EngineConfig(max_num_seqs=1, max_model_len=256),
+                       jspec.SpecConfig("eagle", 2, draft="smollm2-135m-eagle3"))
+    np.testing.assert_array_equal(np.asarray(engine.runner.drafter_params["lm_head_rows"]), ours)

@@ -123,7 +123,8 @@ class LLMEngine:
         if tp > 1:  # check the heads before anything is loaded or placed
             tp_config(model.config, tp)
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
-        if drafter is None and self.spec.enabled:
+        loaded_drafter = drafter is None and self.spec.enabled  # built here from a checkpoint or lookup
+        if loaded_drafter:
             drafter, drafter_params = make_drafter(self.spec, model, attention)
         if self.mesh is not None:
             one_device = model.config
@@ -190,6 +191,7 @@ class LLMEngine:
         params = with_small_row_weights(model.params, quantized=quantized) if copy else model.params
         if copy and isinstance(drafter_params, dict):  # a draft model's layers, an EAGLE head's projections
             q = self.spec.draft_quantization
+            q = ("q8_0" if loaded_drafter else None) if q == "auto" else q
             drafter_params = with_small_row_weights(
                 drafter_params, HEAD_PROJECTIONS,
                 quantized=q and quantized_drafter_weights(drafter_params, HEAD_PROJECTIONS, q))

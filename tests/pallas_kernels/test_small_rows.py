@@ -156,3 +156,45 @@ def test_fused_falls_back_where_the_kernel_does_not_apply_and_its_gradient_is_th
         fused_small_rows(x, pack_rows(w), 8, scale=jnp.ones(31))
     with pytest.raises(ValueError, match="residual"):
         fused_small_rows(x, pack_rows(w), 8, residual=jnp.ones((3, 7)))
+
+
+# ------------------------------------------------------------------ a row's argmax
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 49152), (5, 49152), (2, 3, 1000), (4, 17), (3, 1)])
+def test_row_argmax_is_the_first_index_of_the_maximum(shape):
+    """``row_argmax`` (the greedy pick of jspec.sampling.argmax on the CPU): jnp.argmax's index
+    for every row: ties (first wins), -inf rows, +inf, the maximum in the last lanes or past the
+    last full vector, under jit and vmap."""
+    from pallas_kernels.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
+
+    rng = np.random.default_rng(sum(shape))
+    x = np.round(rng.normal(size=shape) * 2) / 2  # ties everywhere, the maximum included
+    flat = x.reshape(-1, shape[-1])
+    flat[0, -1] = 50.0  # the last entry (past the last full vector when V % 16)
+    if flat.shape[0] > 2:
+        flat[1, :] = -np.inf
+        flat[2, shape[-1] // 2] = np.inf
+    x = jnp.asarray(flat.reshape(shape), jnp.float32)
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    fn = jax.jit(row_argmax)
+    np.testing.assert_array_equal(np.asarray(fn(x)), want)
+    np.testing.assert_array_equal(np.asarray(row_argmax_reference(x)), want)
+    assert ARGMAX_TARGET in fn.lower(x).as_text()
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(row_argmax))(x[None].repeat(2, 0))), want[None].repeat(2, 0))
+
+
+@needs_kernel
+def test_row_argmax_passes_nan_over_and_falls_back_without_the_kernel(monkeypatch):
+    from pallas_kernels.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
+
+    x = np.zeros((3, 40), np.float32)
+    x[0, 5], x[0, 9] = np.nan, 2.0
+    x[1, :] = np.nan
+    x[2, 33] = 1.0
+    got = np.asarray(jax.jit(row_argmax)(jnp.asarray(x)))
+    assert got.tolist() == [9, 39, 33]  # NaN passed over; an all-NaN row: V - 1, as the reference
+    assert np.asarray(row_argmax_reference(jnp.asarray(x)))[1:].tolist() == [39, 33]
+    monkeypatch.setenv("JSPEC_CPU_KERNELS", "0")
+    fn = jax.jit(lambda a: row_argmax(a))  # a new function: not the trace cached above
+    assert ARGMAX_TARGET not in fn.lower(jnp.asarray(x)).as_text()
+    assert np.asarray(fn(jnp.asarray(x)))[1:].tolist() == [39, 33]
