@@ -3,7 +3,8 @@
 Pallas has no CPU backend outside interpret mode, so the two places where XLA's CPU code is far
 from what the bytes cost have kernels of their own, in C++ beside this file:
 
-- ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.small_rows`);
+- ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.small_rows`), and
+  each row's argmax (the greedy pick over the vocabulary);
 - ``paged_attention_cpu.cc``: verification attention over the pages, read in place
   (:mod:`pallas_kernels.paged_attention_cpu`);
 - ``layer_tail.cc``: both of them for a whole decoder layer (norm, QKV, RoPE, the K/V write,
