@@ -41,7 +41,8 @@ class DraftModelState:
 class DraftModelDrafter:
     """``drafter_params`` is the draft's parameter pytree, or with ``draft_vocab`` a dict
     ``{"model": params, "lm_head": [V', H], "vocab_ids": int32 [V']}`` whose LM head covers only
-    a draft vocabulary (see :func:`jspec.speculative.drafters.base.draft_vocab_logits`)."""
+    a draft vocabulary (see :func:`jspec.speculative.drafters.base.draft_vocab_logits`; the engine
+    may add ``"lm_head_rows"``, those rows as Q8_0 blocks: ``SpecConfig.draft_quantization``)."""
 
     k: int
     config: ModelConfig  # the draft's
