@@ -33,6 +33,7 @@ import numpy as np
 from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
+from jspec.models.llama import projection_kernels
 from pallas_kernels import small_rows
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -235,19 +236,9 @@ def quantized_drafter_weights(params, names: tuple[str, ...], qtype: str = "q8_0
     (EAGLE heads, jspec draft models) or a whole draft model's output embedding. Drafts only
     propose, so the output stays exact (verification decides); what changes is which tokens are
     proposed, by Q8_0's rounding. The target's own Q8_0 LM-head rows quantize to themselves."""
-    out = {}
-
-    def walk(tree, path):
-        for name, sub in tree.items():
-            if not isinstance(sub, dict):
-                continue
-            kernel = sub.get("kernel")
-            if name in names and kernel is not None and kernel.ndim == 2 and kernel.shape[0] % small_rows.QUANT_BLOCK == 0:
-                out[(*path, name)] = quantize_rows(np.asarray(jax.device_get(kernel)).T, qtype)
-            else:
-                walk(sub, (*path, name))
-
-    walk(params, ())
+    out = {where: quantize_rows(np.asarray(jax.device_get(kernel)).T, qtype)
+           for where, kernel in projection_kernels(params, names).items()
+           if kernel.ndim == 2 and kernel.shape[0] % small_rows.QUANT_BLOCK == 0}
     if "vocab_ids" in params:
         rows = params["lm_head"]
     elif "embed_tokens" in params:

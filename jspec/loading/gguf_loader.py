@@ -16,6 +16,7 @@ from jspec.config import ModelConfig
 from jspec.errors import CheckpointError, ConfigError, UnsupportedModelError
 from jspec.loading import schema
 from jspec.loading.gguf_header import check_gguf_header
+from pallas_kernels import small_rows
 
 # llama.cpp name -> Hugging Face name ("{n}" is the layer index)
 _LAYER_NAMES = {
@@ -201,7 +202,8 @@ class GGUFFile:
 
         if config.dtype != "float32":
             return 0
-        per_block = {gguf.GGMLQuantizationType.Q4_1: 24, gguf.GGMLQuantizationType.Q8_0: 36}
+        per_block = {gguf.GGMLQuantizationType.Q4_1: small_rows.RECORD_BYTES["q4_1"],
+                     gguf.GGMLQuantizationType.Q8_0: small_rows.RECORD_BYTES["q8_0"]}
         return sum(int(np.prod(t.shape)) // 32 * per_block[t.tensor_type] for t in self.tensors.values()
                    if t.tensor_type in per_block)
 

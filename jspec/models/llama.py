@@ -36,6 +36,7 @@ import math
 from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,24 +258,20 @@ def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantiz
     reads for a few rows in place of the float32 table. The kernel gives the same bits from either
     form of a weight (``pallas_kernels.small_rows``), reading a fifth of the bytes or less."""
     quantized = quantized or {}
-
-    def walk(tree, path):
-        out = {}
-        for name, sub in tree.items():
-            here = (*path, name)
-            if name in names and isinstance(sub, dict) and "kernel" in sub:
-                w = quantized.get(here)
-                sub = {**sub, "weight": jnp.asarray(w) if w is not None
-                       else small_rows.pack_rows(jnp.asarray(sub["kernel"]).T)}
-            elif isinstance(sub, dict):
-                sub = walk(sub, here)
-            out[name] = sub
-        return out
-
-    out = walk(params, ())
+    flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
+    for where, kernel in projection_kernels(params, names).items():
+        w = quantized.get(where)
+        flat[(*where, "weight")] = jnp.asarray(w) if w is not None else small_rows.pack_rows(jnp.asarray(kernel).T)
     if ("lm_head_rows",) in quantized:
-        out["lm_head_rows"] = jnp.asarray(quantized[("lm_head_rows",)])
-    return out
+        flat[("lm_head_rows",)] = jnp.asarray(quantized[("lm_head_rows",)])
+    return traverse_util.unflatten_dict(flat)
+
+
+def projection_kernels(params, names: tuple[str, ...] = PROJECTIONS) -> dict[tuple[str, ...], jax.Array]:
+    """The ``kernel`` [in, out] of every :class:`Linear` called one of ``names`` in a parameter
+    tree (a model's, a drafter's), keyed by the Linear's path."""
+    return {path[:-1]: leaf for path, leaf in traverse_util.flatten_dict(params).items()
+            if len(path) >= 2 and path[-1] == "kernel" and path[-2] in names}
 
 
 class Attention(nn.Module):
