@@ -38,10 +38,21 @@ its estimated rate is within ``refresh_margin`` of the best one's: re-timing a k
 costs a whole burst at that k (at 16 slots on the 2-core CPU a k = 4 step costs 3.4x a plain
 one), and doing so every 64 bursts cost dynamic k 10-20% of its throughput in the later rounds
 of a benchmark (BENCHMARKS.md, engine, 2026-12-03).
+Speculation turns itself off only on evidence. At k = 0 nothing is proposed, so the acceptance
+that turned it off never moves: one first prompt whose drafts were accepted 10 times in 54 (the
+set's position-1 rate is 0.63-0.66) kept a whole HumanEval run at k = 0 (BENCHMARKS.md,
+twenty-fourth session). So where k = 0 has the best estimated rate, the burst still runs the k > 0
+whose rate is best on an optimistic estimate, each P_j raised by ``optimism`` standard errors
+(the request's own steps and, through the prior's weight, the pooled ones), if that rate beats
+k = 0's: thin evidence, or a k that costs little more than a plain step, is explored until the
+evidence rules it out (optimism in the face of uncertainty, as in UCB bandits). A request that
+ran without speculation still ages the prior (:meth:`AcceptancePrior.learn`), so evidence that
+turned speculation off thins as the workload moves on, and it is tried again.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional, Sequence
 
 
@@ -60,8 +71,8 @@ class AcceptancePrior:
 
     def learn(self, accepted_per_pos: Sequence[int], eligible_per_pos: Sequence[int], drafted_steps: int,
               steps: int) -> None:
-        if steps <= 0:
-            return
+        """Pool one finished request's counts. A request without a step at k >= 1 adds nothing
+        but still ages what is there (ratios and proposal share unchanged, evidence thinner)."""
         n = max(len(accepted_per_pos), len(eligible_per_pos), len(self.accepted))
         for counts in (self.accepted, self.eligible):
             counts.extend([0.0] * (n - len(counts)))
@@ -96,7 +107,7 @@ class AcceptancePrior:
 class CostModel:
     def __init__(self, candidates: Iterable[int], prior_acceptance: float = 0.5, prior_weight: float = 8.0,
                  smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15,
-                 smoothing_steps: int = 8, prior: Optional[AcceptancePrior] = None):
+                 smoothing_steps: int = 8, prior: Optional[AcceptancePrior] = None, optimism: float = 2.0):
         self.candidates = tuple(sorted(set(candidates)))
         self.prior = prior  # pooled over finished requests (the engine's, shared by its buckets)
         self.prior_acceptance = prior_acceptance
@@ -105,6 +116,7 @@ class CostModel:
         self.smoothing_steps = smoothing_steps
         self.refresh_every = refresh_every
         self.refresh_margin = refresh_margin
+        self.optimism = optimism  # standard errors added to each P_j when k = 0 leads (module docstring)
         self.step_seconds: dict[int, Optional[float]] = {k: None for k in self.candidates}
         self.chosen = 0
         self._since: dict[int, int] = {k: 0 for k in self.candidates}
@@ -126,15 +138,17 @@ class CostModel:
 
     def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int,
                         accepted_per_pos: Optional[Sequence[int]] = None,
-                        eligible_per_pos: Optional[Sequence[int]] = None) -> float:
-        """E(k) for one request from its counters (see the module docstring)."""
+                        eligible_per_pos: Optional[Sequence[int]] = None, optimism: float = 0.0) -> float:
+        """E(k) for one request from its counters (see the module docstring); with ``optimism``
+        z > 0, each P_j is raised by z standard errors of its estimate (an upper bound, capped by
+        the bound of P_(j-1))."""
         if k == 0:
             return 1.0
         w, a0 = self.prior_weight, self.prior_acceptance
         pooled = self.prior is not None and self.prior.steps > 0
         r = (drafted_steps + w * (self.prior.proposal_share() if pooled else 1.0)) / (steps + w)
         if accepted_per_pos is not None and eligible_per_pos is not None:
-            total, p_prev, ratio = 0.0, 1.0, a0
+            total, p_prev, ratio, bound = 0.0, 1.0, a0, 1.0
             pool = self.prior.ratios(k, a0, w) if pooled else [None] * k
             for j in range(k):
                 acc = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
@@ -143,13 +157,26 @@ class CostModel:
                 ratio = ratio if pool[j] is None else pool[j]
                 p = min((acc + w * p_prev * ratio) / (seen + w), p_prev)
                 ratio, p_prev = (p / p_prev if p_prev > 0 else 0.0), p
+                if optimism:
+                    # the request's own steps, plus the prior's weight w carrying the pooled
+                    # steps' variance: Var = p (1 - p) (seen + w^2 / (pooled + w)) / (seen + w)^2
+                    n_pool = self.prior.eligible[j] if pooled and j < len(self.prior.eligible) else 0.0
+                    var = p * (1 - p) * (seen + w * w / (n_pool + w)) / (seen + w) ** 2
+                    p = bound = min(p + optimism * math.sqrt(var), bound)
                 total += p
             return 1.0 + r * total
         if accepted_per_pos is not None:
             per_pos = list(accepted_per_pos) + [0] * max(0, k - len(accepted_per_pos))
-            return 1.0 + r * sum(min((per_pos[j - 1] + w * a0 ** j) / (drafted_steps + w), 1.0)
-                                 for j in range(1, k + 1))
+            total, bound = 0.0, 1.0
+            for j in range(1, k + 1):
+                p = min((per_pos[j - 1] + w * a0 ** j) / (drafted_steps + w), 1.0)
+                if optimism:
+                    p = bound = min(p + optimism * math.sqrt(p * (1 - p) / (drafted_steps + w)), bound)
+                total += p
+            return 1.0 + r * total
         a = (accepted + a0 * w) / (proposed + w)
+        if optimism:
+            a += optimism * math.sqrt(a * (1 - a) / (proposed + w))
         a = min(max(a, 0.0), 0.999)
         return 1.0 + r * sum(a ** j for j in range(1, k + 1))
 
@@ -167,6 +194,15 @@ class CostModel:
         rate = {k: sum(self.expected_tokens(min(k, cap), *counts) for cap, *counts in requests) / self.step_seconds[k]
                 for k in self.candidates}
         best = max(self.candidates, key=lambda k: rate[k])  # the first of equals: the smallest k
+        if best == 0 and self.optimism > 0:
+            # speculation off only on evidence: the k > 0 best on the optimistic estimate runs
+            # while it could still beat a plain step (module docstring)
+            upper = {k: sum(self.expected_tokens(min(k, cap), *counts, optimism=self.optimism)
+                            for cap, *counts in requests) / self.step_seconds[k]
+                     for k in self.candidates if k > 0}
+            if upper:
+                explore = max(upper, key=lambda k: upper[k])
+                best = explore if upper[explore] > rate[0] else 0
         stale = [k for k in self.candidates if self._since[k] > self.refresh_every
                  and rate[k] >= (1 - self.refresh_margin) * rate[best]]
         self.chosen = stale[0] if stale else best

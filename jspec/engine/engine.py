@@ -431,7 +431,8 @@ class LLMEngine:
         self.stats.finished(r)
         m = r.metrics
         # over the steps that could have drafted: a request run at k = 0 throughout teaches nothing
-        # (counted as steps without a proposal, dynamic k's choice of k = 0 would feed itself)
+        # (counted as steps without a proposal, dynamic k's choice of k = 0 would feed itself), but
+        # ages the pool, so that what turned speculation off is tried again later
         self.acceptance.learn(m.num_accepted_tokens_per_pos, r.eligible_per_pos, m.num_drafts, r.spec_steps)
 
     def _count_eligible(self, r: Request, drafted: int, k: int) -> None:
