@@ -110,17 +110,18 @@ ffi::Error tail_shapes(const jspec_cpu::AttentionShapes& s, const ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                         ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
+ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                         ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> x,
                          ffi::AnyBuffer o_w, ffi::Buffer<ffi::F32> gain, ffi::AnyBuffer gate_up_w,
                          ffi::AnyBuffer down_w, ffi::ResultBuffer<ffi::F32> out, float eps) {
   jspec_cpu::AttentionShapes s;
-  if (auto e = jspec_cpu::attention_shapes(q, k_pages, block_tables, s); e.failure()) return e;
+  jspec_cpu::PageType type;
+  if (auto e = jspec_cpu::attention_shapes(q, k_pages, v_pages, block_tables, s, type); e.failure()) return e;
   int64_t M, H, QS, I;
   Packed o, gu, dn;
   if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, o, gu, dn, M, H, QS, I); e.failure()) return e;
-  jspec_cpu::AttentionPlan plan(s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
+  jspec_cpu::AttentionPlan plan(s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), type,
                                 block_tables.typed_data(), kv_lens.typed_data(), q_lens.typed_data());
   TailBuffers b(M, QS, H, I);
   std::vector<jspec_cpu::Phase> phases;
@@ -133,15 +134,16 @@ ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 // RoPE on q and k (rotate-half, cos and sin [M, D] of each row's position), k and v written into
 // the pages (rows t < q_lens[b], at position start[b] + t; a slot past the table or a page id
 // outside the pool is dropped, as jspec.cache.paged.write_kv drops it), then the tail. The pages
-// are updated in place (k_out, v_out alias k_pages, v_pages).
+// are updated in place (k_out, v_out alias k_pages, v_pages); pages of float16 or bfloat16 take
+// k and v rounded to nearest even, as XLA's convert rounds them (jspec.cache.paged.write_kv).
 ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qkv_w,
                             ffi::Buffer<ffi::F32> in_gain, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
-                            ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                            ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> start,
                             ffi::Buffer<ffi::S32> q_lens, ffi::AnyBuffer o_w, ffi::Buffer<ffi::F32> gain,
                             ffi::AnyBuffer gate_up_w, ffi::AnyBuffer down_w,
-                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
-                            ffi::ResultBuffer<ffi::F32> v_out, float eps) {
+                            ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                            ffi::Result<ffi::AnyBuffer> v_out, float eps) {
   const auto kd = k_pages.dimensions(), td = block_tables.dimensions(), xd = x.dimensions();
   Packed qkv;
   if (kd.size() != 4 || td.size() != 2 || xd.size() != 2 || cos.dimensions().size() != 2 || !packed_shape(qkv_w, qkv)) {
@@ -150,10 +152,19 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const int64_t KVH = kd[0], P = kd[1], S = kd[2], D = kd[3], B = td[0], W = td[1];
   const int64_t M = xd[0], H = xd[1], KS = KVH * D, QS = qkv.N - 2 * KS;
-  if (B == 0 || M % B || QS <= 0 || QS % D || qkv.K != H || in_gain.element_count() != H || D % 2 ||
+  if (B == 0 || M % B || QS <= 0 || QS % D || qkv.K != H || in_gain.element_count() != H || D % 2 || D > 256 ||
       cos.element_count() != M * D || sin.element_count() != M * D || start.element_count() != B ||
-      q_lens.element_count() != B || v_pages.element_count() != k_pages.element_count()) {
-    return ffi::Error::InvalidArgument("decoder_layer: shapes disagree");
+      q_lens.element_count() != B || v_pages.element_count() != k_pages.element_count() ||
+      v_pages.element_type() != k_pages.element_type() || k_out->element_type() != k_pages.element_type() ||
+      v_out->element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("decoder_layer: shapes or page dtypes disagree");
+  }
+  jspec_cpu::PageType type;
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32: type = jspec_cpu::PageType::kF32; break;
+    case ffi::DataType::F16: type = jspec_cpu::PageType::kF16; break;
+    case ffi::DataType::BF16: type = jspec_cpu::PageType::kBF16; break;
+    default: return ffi::Error::InvalidArgument("decoder_layer: pages must be float32, float16 or bfloat16");
   }
   const int64_t T = M / B, Hq = QS / D;
   if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
@@ -166,11 +177,11 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int32_t* st = start.typed_data();
   const int32_t* ql = q_lens.typed_data();
   for (int64_t b = 0; b < B; ++b) kv_lens[b] = st[b] + ql[b];
-  float* kp = k_out->typed_data();  // the pages, aliased: written in place (copied first should XLA not alias)
-  float* vp = v_out->typed_data();
-  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
-  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
-  jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, block_tables.typed_data(), kv_lens.data(), ql);
+  void* kp = k_out->untyped_data();  // the pages, aliased: written in place (copied first should XLA not alias)
+  void* vp = v_out->untyped_data();
+  if (kp != k_pages.untyped_data()) std::memcpy(kp, k_pages.untyped_data(), k_pages.size_bytes());
+  if (vp != v_pages.untyped_data()) std::memcpy(vp, v_pages.untyped_data(), v_pages.size_bytes());
+  jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, type, block_tables.typed_data(), kv_lens.data(), ql);
   TailBuffers b(M, QS, H, I);
   const float *xp = x.typed_data(), *g = in_gain.typed_data();
   const jspec_cpu::Weight wq = qkv.w;
@@ -201,10 +212,29 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     if (pos < 0 || slot >= W) return;
     const int64_t page = tables[bi * W + slot];
     if (page < 0 || page >= P) return;
+    float k_rot[256];  // D <= 256 (attention_shapes)
     for (int64_t h = 0; h < KVH; ++h) {
       const int64_t at = ((h * P + page) * S + pos % S) * D;
-      rotate(row + QS + h * D, kp + at);
-      std::memcpy(vp + at, row + QS + KS + h * D, sizeof(float) * D);
+      rotate(row + QS + h * D, k_rot);
+      const float* v = row + QS + KS + h * D;
+      switch (type) {
+        case jspec_cpu::PageType::kF32:
+          std::memcpy(static_cast<float*>(kp) + at, k_rot, sizeof(float) * D);
+          std::memcpy(static_cast<float*>(vp) + at, v, sizeof(float) * D);
+          break;
+        case jspec_cpu::PageType::kF16:
+          for (int64_t d = 0; d < D; ++d) {
+            static_cast<uint16_t*>(kp)[at + d] = jspec_cpu::float_half(k_rot[d]);
+            static_cast<uint16_t*>(vp)[at + d] = jspec_cpu::float_half(v[d]);
+          }
+          break;
+        case jspec_cpu::PageType::kBF16:
+          for (int64_t d = 0; d < D; ++d) {
+            static_cast<uint16_t*>(kp)[at + d] = jspec_cpu::float_bf16(k_rot[d]);
+            static_cast<uint16_t*>(vp)[at + d] = jspec_cpu::float_bf16(v[d]);
+          }
+          break;
+      }
     }
   }});
   tail_phases(phases, plan, b, xp, o, gain.typed_data(), gu, dn, out->typed_data(), M, QS, H, I, eps);
@@ -218,8 +248,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecLayerTail, LayerTailImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, Hq, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_pages [KVH, P, S, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_pages [KVH, P, S, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_pages [KVH, P, S, D]: f32, f16 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // v_pages [KVH, P, S, D]: k_pages' dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
@@ -239,8 +269,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // in_gain [H]: input RMSNorm
                                   .Arg<ffi::Buffer<ffi::F32>>()   // cos [M, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sin [M, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_pages [KVH, P, S, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_pages [KVH, P, S, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_pages [KVH, P, S, D]: f32, f16 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // v_pages [KVH, P, S, D]: k_pages' dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start [B]: cache lengths before
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
@@ -249,6 +279,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
                                   .Arg<ffi::AnyBuffer>()          // gate_up_proj, packed or quantized
                                   .Arg<ffi::AnyBuffer>()          // down_proj, packed or quantized
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // k_pages, written (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // v_pages, written (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // k_pages, written (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // v_pages, written (aliased)
                                   .Attr<float>("eps"));

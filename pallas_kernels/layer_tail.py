@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_kernels import available
-from pallas_kernels.paged_verify_attention import check_paged_verify_args, paged_verify_attention_reference, write_kv
+from pallas_kernels.paged_verify_attention import (FLOAT_DTYPES, check_paged_verify_args,
+                                                   paged_verify_attention_reference, write_kv)
 from pallas_kernels.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
                                       quantized_type)
 
@@ -66,17 +67,17 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
     if gain.shape != (hidden,):
         raise ValueError(f"layer_tail: gain must be [{hidden}], got shape {gain.shape}")
     floats = [w for w in (o_w, gate_up_w, down_w) if quantized_type(w) is None]
-    if len({a.dtype for a in (q, k_pages, x, gain, *floats)}) != 1:
-        raise ValueError("layer_tail: q, the pages, x, the float weights and the gain must share a dtype")
+    if len({a.dtype for a in (q, x, gain, *floats)}) != 1:
+        raise ValueError("layer_tail: q, x, the float weights and the gain must share a dtype")
 
 
 def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
-    """Whether the kernel can run these operands (arrays or ``jax.ShapeDtypeStruct`` s): float32,
-    head_dim <= 256, weights packed without padding (each product's K a multiple of 16, N of 4),
-    kernels built."""
+    """Whether the kernel can run these operands (arrays or ``jax.ShapeDtypeStruct`` s): float32
+    (the pages float32, float16 or bfloat16), head_dim <= 256, weights packed without padding (each
+    product's K a multiple of 16, N of 4), kernels built."""
     hidden, (b, t, hq, d) = x.shape[-1], q.shape
     inter2 = gate_up_w.shape[0] * PACK_ROWS
-    return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and d <= 256 and inter2 % 2 == 0
+    return (q.dtype == jnp.float32 and k_pages.dtype in FLOAT_DTYPES and d <= 256 and inter2 % 2 == 0
             and packed_dims(o_w) == (hidden, hq * d) and packed_dims(gate_up_w) == (inter2, hidden)
             and packed_dims(down_w) == (hidden, inter2 // 2) and available())
 

@@ -4,11 +4,18 @@
 //   AttentionPlan plan(shapes, q, k_pages, v_pages, block_tables, kv_lens, q_lens);
 //   plan.run(u) for every u in [0, plan.num_units), on any threads, in any order;
 //   plan.combine(out) once they are all done: out [B, T, Hq, D], padding rows zero.
+//
+// The pages hold float32, float16 or bfloat16 (PageType); the queries, the arithmetic and the
+// result are float32 whatever the pages hold: a page's element becomes a float32 as it is read
+// (every float16 and bfloat16 value is a float32 exactly), so a row's result is the one the
+// float32 kernel gives on the pages' values widened.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jspec_cpu {
@@ -17,14 +24,126 @@ struct AttentionShapes {
   int64_t B, T, Hq, D, KVH, P, S, W, G;
 };
 
-// Checks q [B, T, Hq, D], k_pages [KVH, P, S, D] and block_tables [B, W]; fills s.
-xla::ffi::Error attention_shapes(const xla::ffi::Buffer<xla::ffi::F32>& q,
-                                 const xla::ffi::Buffer<xla::ffi::F32>& k_pages,
-                                 const xla::ffi::Buffer<xla::ffi::S32>& block_tables, AttentionShapes& s);
+enum class PageType { kF32, kF16, kBF16 };
+
+// Checks q [B, T, Hq, D], k_pages and v_pages [KVH, P, S, D] of one page type and block_tables
+// [B, W]; fills s and type.
+xla::ffi::Error attention_shapes(const xla::ffi::Buffer<xla::ffi::F32>& q, const xla::ffi::AnyBuffer& k_pages,
+                                 const xla::ffi::AnyBuffer& v_pages,
+                                 const xla::ffi::Buffer<xla::ffi::S32>& block_tables, AttentionShapes& s,
+                                 PageType& type);
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// IEEE half -> float32, exact.
+inline float half_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) {  // zero or subnormal: m 2^-24
+    const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return bits_float(float_bits(f) | sign);
+  }
+  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));  // inf, NaN
+  return bits_float(sign | ((e + 112) << 23) | (m << 13));
+}
+
+// float32 -> IEEE half, rounded to nearest even (as XLA's convert): overflow to inf, NaN stays NaN.
+inline uint16_t float_half(float f) {
+  uint32_t x = float_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00 | (x > 0x7f800000u ? 0x200 | (x >> 13) : 0));
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00);  // >= 65520: rounds to inf
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; adding 0.5 rounds at 2^-24, to even
+    const float a = bits_float(x) + 0.5f;
+    return static_cast<uint16_t>(sign | (float_bits(a) - 0x3f000000u));
+  }
+  x += 0xc8000fffu + ((x >> 13) & 1);  // rebias the exponent (-112 << 23) and round to even
+  return static_cast<uint16_t>(sign | (x >> 13));
+}
+
+// bfloat16 -> float32 (exact) and back, rounded to nearest even (NaN stays NaN).
+inline float bf16_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t float_bf16(float f) {
+  const uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
+}
+
+// A page element type: T as stored, one(p) and put(v) for single values, v16s(p) for 16 values
+// as a float32 vector (and v8(p), 8 values, for the AVX2 tiles).
+struct F32Pages {
+  using T = float;
+  static float one(const T* p) { return *p; }
+  static T put(float v) { return v; }
+  static v16 v16s(const T* p) { return load(p); }
+#ifdef JSPEC_AVX2_TILES
+  static __m256 v8(const T* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+
+struct F16Pages {
+  using T = uint16_t;
+  static float one(const T* p) { return half_float(*p); }
+  static T put(float v) { return float_half(v); }
+  static v16 v16s(const T* p) {
+#if defined(__AVX512F__)
+    return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+    v16 v;
+    for (int i = 0; i < kLanes; ++i) v[i] = half_float(p[i]);
+    return v;
+#endif
+  }
+#ifdef JSPEC_AVX2_TILES
+  static __m256 v8(const T* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = half_float(p[i]);
+    return _mm256_load_ps(f);
+#endif
+  }
+#endif
+};
+
+struct BF16Pages {
+  using T = uint16_t;
+  static float one(const T* p) { return bf16_float(*p); }
+  static T put(float v) { return float_bf16(v); }
+  static v16 v16s(const T* p) {
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+#else
+    v16 v;
+    for (int i = 0; i < kLanes; ++i) v[i] = bf16_float(p[i]);
+    return v;
+#endif
+  }
+#ifdef JSPEC_AVX2_TILES
+  static __m256 v8(const T* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+#endif
+};
 
 class AttentionPlan {
  public:
-  AttentionPlan(const AttentionShapes& s, const float* q, const float* k_pages, const float* v_pages,
+  // k_pages, v_pages: the pages' elements, of `type`
+  AttentionPlan(const AttentionShapes& s, const float* q, const void* k_pages, const void* v_pages, PageType type,
                 const int32_t* block_tables, const int32_t* kv_lens, const int32_t* q_lens);
   void run(int64_t u);      // one unit: (sequence, KV head, chunk of keys) -> its partials
   void combine(float* out);  // the partials of every row, in chunk order -> out
@@ -38,7 +157,9 @@ class AttentionPlan {
   float* part_of(int64_t b, int64_t kvh, int64_t c);
 
   AttentionShapes s;
-  const float *q, *kp, *vp;
+  const float* q;
+  const void *kp, *vp;
+  PageType type;
   const int32_t* tables;
   std::vector<Seq> seqs;
   int64_t max_chunks = 0, R = 0, stride = 0;

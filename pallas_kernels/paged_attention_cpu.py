@@ -9,8 +9,8 @@ those a row can see. The file keeps the kernels' shape: the kernel, a validated 
 (:func:`paged_attention_cpu`) and the reference (:func:`paged_attention_cpu_reference`, the
 contract's plain-jnp oracle).
 
-The wrapper lowers to the kernel on the CPU only, for float32 queries and pages, when the
-kernels are built (:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to
+The wrapper lowers to the kernel on the CPU only, for float32 queries over pages of float32,
+float16 or bfloat16 (each element widened to float32 as it is read), when the kernels are built (:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to
 ``fallback`` (default: the reference). Results equal the reference's up to float rounding.
 """
 
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_kernels import available
-from pallas_kernels.paged_verify_attention import check_paged_verify_args, paged_verify_attention_reference
+from pallas_kernels.paged_verify_attention import (FLOAT_DTYPES, check_paged_verify_args,
+                                                   paged_verify_attention_reference)
 
 TARGET = "jspec_paged_attention"
 paged_attention_cpu_reference = paged_verify_attention_reference
@@ -34,8 +35,10 @@ def _kernel(q, k_pages, v_pages, block_tables, kv_lens, q_lens):
 
 
 def applies(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether these operands can run on the kernel (float32, head_dim <= 256, kernels built)."""
-    return q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and q.shape[-1] <= 256 and available()
+    """Whether these operands can run on the kernel (float32 queries, pages of float32, float16
+    or bfloat16, head_dim <= 256, kernels built)."""
+    return (q.dtype == jnp.float32 and k_pages.dtype in FLOAT_DTYPES and q.shape[-1] <= 256
+            and available())
 
 
 def paged_attention_cpu(

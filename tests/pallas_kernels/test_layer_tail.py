@@ -219,3 +219,44 @@ def test_whole_layer_lowers_on_the_cpu_only_and_rejects_bad_shapes():
         decoder_layer(x[:3], qkv, in_gain, cos[:3], sin[:3], *rest, eps=EPS)
     with pytest.raises(ValueError, match="qkv_w"):
         decoder_layer(x, pack_rows(jnp.ones((20, 32), jnp.float32)), in_gain, cos, sin, *rest, eps=EPS)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
+def test_whole_layer_writes_and_reads_half_pages(cache_dtype):
+    """Pages of float16 / bfloat16 (a KV cache of half the bytes): the layer writes each k and v
+    as the float32 layer computes it, rounded to nearest even as XLA's convert rounds it (the same
+    bits as numpy's cast, across subnormals and overflow to inf: the QKV rows scaled from 1e-9 to
+    1e6), every other slot untouched; the attention reads the pages widened, so the output
+    is the reference's on the same pages within float32 rounding."""
+    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(600, 257), q_lens=(5, 3), kv_heads=3)
+    args32, ref32 = _layer_operands(case, 576, 1536, seed=21)
+    half = lambda a: tuple(x.astype(cache_dtype) if i in (5, 6) else x for i, x in enumerate(a))  # noqa: E731
+    args, ref = half(args32), half(ref32)
+    f = jax.jit(lambda *a: decoder_layer(*a, eps=EPS))
+    assert LAYER_TARGET in f.lower(*args).as_text()
+    out, k, v = f(*args)
+    assert k.dtype == cache_dtype and v.dtype == cache_dtype
+    ref_out, ref_k, ref_v = decoder_layer_reference(*ref, eps=EPS)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-4 * np.abs(ref_out).max())
+    _, k32, v32 = f(*args32)  # the same layer on float32 pages: the values the half pages round
+    for i, got, full in ((5, k, k32), (6, v, v32)):
+        got, before = np.asarray(got), np.asarray(args[i])
+        written = np.asarray(ref_k if i == 5 else ref_v) != np.asarray(ref[i])
+        assert written.any()
+        np.testing.assert_array_equal(got[written], np.asarray(full)[written].astype(cache_dtype))
+        np.testing.assert_array_equal(got[~written], before[~written])
+    # extreme magnitudes: each of the QKV weight's rows scaled by 10^u, u uniform in [-9, 6]
+    x, qkv, *rest = args32
+    rows = qkv.shape[0] * qkv.shape[2]
+    scale = 10.0 ** np.random.default_rng(5).uniform(-9, 6, rows).astype(np.float32)
+    qkv = qkv * jnp.asarray(scale.reshape(qkv.shape[0], 1, qkv.shape[2], 1))
+    _, k32, v32 = f(x, qkv, *rest)
+    _, k, v = f(*half((x, qkv, *rest)))
+    for got, full in ((k, k32), (v, v32)):
+        got, full = np.asarray(got), np.asarray(full)
+        live = ~np.isnan(full)
+        with np.errstate(over="ignore"):  # float16's overflow to inf is the point
+            np.testing.assert_array_equal(got[live], full[live].astype(cache_dtype))
+    if cache_dtype == jnp.float16:
+        kv = np.concatenate([np.asarray(k32)[live], np.asarray(v32)[live]])
+        assert (np.abs(kv) > 65520).any() and ((np.abs(kv) < 6.1e-5) & (kv != 0)).any()  # inf and subnormals seen

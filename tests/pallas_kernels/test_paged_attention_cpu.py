@@ -4,6 +4,8 @@ sequence (NaN, invalid and foreign page ids), ragged q_lens and kv_lens across p
 256-key chunk boundaries, GQA ratios, head dims; a row's result independent of the rows
 beside it; where it lowers and where it does not."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +41,32 @@ def test_kernel_matches_the_reference_on_poisoned_inputs(case):
     q_lens = case.q_lens or (case.t,) * len(case.kv_lens)
     for i, ql in enumerate(q_lens):  # rows past q_len are exactly zero
         assert not out[i, ql:].any()
+
+
+HALF_CASES = [
+    Case(t=1, group=3, head_dim=64, page_size=16, kv_lens=(1, 17, 100, 1000), kv_heads=3),  # decode, split-K
+    Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(5, 256, 257), kv_heads=3, garbage="mixed"),  # verify
+    Case(t=4, group=2, head_dim=44, page_size=8, kv_lens=(4, 300), garbage="mixed"),  # scalar tails
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: f"t{c.t}-d{c.head_dim}-kv{max(c.kv_lens)}")
+def test_half_pages_are_read_as_float32(case, cache_dtype):
+    """float32 queries over float16 / bfloat16 pages (a KV cache of half the bytes): the kernel
+    lowers for them, and each element is widened to float32 as it is read, so the result is the
+    float32 kernel's on the widened pages (the same bits) and the reference's within float32
+    rounding; NaN pages past each sequence stay out."""
+    case = dataclasses.replace(case, cache_dtype=cache_dtype)
+    kernel_args, ref_args = make_inputs(case, seed=case.t + max(case.kv_lens))
+    assert kernel_args[1].dtype == cache_dtype
+    f = jax.jit(paged_attention_cpu)
+    assert "jspec_paged_attention" in f.lower(*kernel_args).as_text()
+    out = np.asarray(f(*kernel_args))
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    widened = (kernel_args[0], kernel_args[1].astype(jnp.float32), kernel_args[2].astype(jnp.float32)) + kernel_args[3:]
+    assert (out == np.asarray(f(*widened))).all()
+    np.testing.assert_allclose(out, np.asarray(paged_attention_cpu_reference(*ref_args)), **TOL[jnp.float32])
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
