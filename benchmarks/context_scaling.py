@@ -3,6 +3,7 @@
     python benchmarks/context_scaling.py [--contexts 100,250,500,1000] [--k 4] [--rounds 3]
                                          [--repeats 10] [--attention auto | xla,cpu]
                                          [--compare-small-row-weights]
+                                         [--kv-cache-dtype float32,float16]
 
 For each context length an engine holds one request whose prompt is that many tokens of
 HumanEval text (problems concatenated), prefilled and decoded a few steps
@@ -19,7 +20,8 @@ context's decode step of the same variant (attention, weights), and verify / dec
 context. The steps run on the engine's parameters (on the CPU: with the packed weight copy the
 small-row kernel reads); ``--compare-small-row-weights`` times them without the copy (" (no copy)") and with it
 (" (copy)") in the same rounds; ``--attention xla,cpu`` (several, comma-separated) times each
-attention implementation's steps in the same rounds, each on an engine of its own.
+attention implementation's steps in the same rounds, each on an engine of its own;
+``--kv-cache-dtype float32,float16`` likewise each page dtype's (EngineConfig.kv_cache_dtype).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main():
     ap.add_argument("--no-donate", action="store_true", help="time without donating the state (copies the pool)")
     ap.add_argument("--compare-small-row-weights", action="store_true",
                     help="also time every step with the small-row weight copy")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the pages' dtype; several, comma-separated (e.g. float32,float16), are timed side by side")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     model = jspec.load_model()
@@ -60,14 +64,16 @@ def main():
     weights = {"": None}  # the engine's own parameters
     if args.compare_small_row_weights:
         weights = {" (no copy)": model.params, " (copy)": with_small_row_weights(model.params)}
-    attentions = args.attention.split(",")
+    attentions = [(a, kv) for a in args.attention.split(",") for kv in args.kv_cache_dtype.split(",")]
     variants = [(a, w) for a in attentions for w in weights]
-    label = {(a, w): (f" ({a})" if len(attentions) > 1 else "") + w for a, w in variants}
+    label = {(a, w): "".join(f" ({x})" for x, n in zip(a, (len(set(b[0] for b in attentions)),
+                                                          len(set(b[1] for b in attentions)))) if n > 1) + w
+             for a, w in variants}
     cases = {}  # (context, q_len, variant) -> a zero-argument step
     for c in contexts:
         for a in attentions:
-            engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=a,
-                                     extra_tokens=max(contexts) - c)
+            engine = prepared_engine(model, ids[:c], SpecConfig("ngram", args.k), attention=a[0],
+                                     extra_tokens=max(contexts) - c, kv_cache_dtype=a[1])
             for q in (1, args.k + 1):
                 for w, params in weights.items():
                     loop = StepLoop(engine, q, params=params)

@@ -241,6 +241,7 @@ class SamplingParams:
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
 DRAFT_QUANTIZATIONS = ("auto", "q8_0", None)  # SpecConfig.draft_quantization
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # EngineConfig.kv_cache_dtype
 CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
 HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
@@ -386,7 +387,14 @@ class EngineConfig:
       (or the LM head) as Q4_1 or Q8_0 blocks (a GGUF file: ``LoadedModel.quantized``), the copy is
       those blocks as they are, not floats (66 + 30 MB instead of 425 + 113 for SmolLM2-135M's Q4_1
       layers and Q8_0 head); the same results bit for bit. ``False``: float32 copies (for
-      comparisons).
+      comparisons);
+    - ``kv_cache_dtype``: what the page pools hold (vLLM's name): ``"auto"`` the model's dtype,
+      or ``"float32"``, ``"float16"``, ``"bfloat16"``. Pages of 16 bits take half the memory and
+      half the bytes a step reads at long contexts; K and V are rounded to them as they are
+      written and widened as they are read, so logits move by that rounding (llama.cpp's default
+      cache is float16), while speculative output stays token-identical to plain decoding on the
+      same cache (both read the same rounded pages). A drafter's own pages (draft model, EAGLE
+      head) follow it.
     """
 
     max_num_seqs: int = 8
@@ -402,6 +410,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the target is sharded over (jspec.parallel)
     small_row_weights: Optional[bool] = None
     quantized_weights: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_burst_steps",
@@ -423,5 +432,8 @@ class EngineConfig:
             raise ConfigError(f"small_row_weights must be None, True or False, got {self.small_row_weights!r}")
         if not isinstance(self.quantized_weights, bool):
             raise ConfigError(f"quantized_weights must be True or False, got {self.quantized_weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.small_row_weights and self.tensor_parallel_size > 1:
             raise ConfigError("small_row_weights needs one device (tensor_parallel_size 1)")

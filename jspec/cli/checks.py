@@ -108,7 +108,7 @@ def run_tokens(prompt_bytes: int, max_tokens: int, k: int, page_size: int, conte
 
 
 def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: SamplingParams, spec: SpecConfig,
-                  cache_config: CacheConfig, chat: bool = False) -> None:
+                  cache_config: CacheConfig, chat: bool = False, kv_cache_dtype: str = "auto") -> None:
     """Checks that need the model's config but not its weights (stage 2 of the module docstring)."""
     import jax
 
@@ -126,7 +126,7 @@ def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: Samplin
     slots = sum(run_tokens(len(p.encode("utf-8")), sampling.max_tokens, k, cache_config.page_size, context, chat)
                 for p in prompts)
     weights, staging = load_bytes(config)
-    kv = memory.kv_cache_bytes(config, slots)
+    kv = memory.kv_cache_bytes(config, slots, None if kv_cache_dtype == "auto" else kv_cache_dtype)
     what = f"{config.num_params():,} parameters ({config.dtype}) and a KV cache of {slots:,} tokens"
     device = jax.local_devices()[0]
     if device.platform == "cpu":

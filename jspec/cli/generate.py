@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
+from jspec.config import KV_CACHE_DTYPES
 
 PER_REQUEST_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
                       "num_speculative_tokens")
@@ -53,6 +54,9 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
+                        "halve the cache and round K/V (default auto)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -147,7 +151,7 @@ def cmd_generate(args) -> int:
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
     check_tp_fits(args, checkpoint.config)
     checks.generate_fits(checkpoint.config, prompts[:seqs], dataclasses.replace(base, max_tokens=longest_budget), spec,
-                         cache_config, chat=args.chat)
+                         cache_config, chat=args.chat, kv_cache_dtype=args.kv_cache_dtype)
     model = checkpoint.load()
     if model.tokenizer is None:
         raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
@@ -158,7 +162,8 @@ def cmd_generate(args) -> int:
         max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
         max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
-        max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp)
+        max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp,
+        kv_cache_dtype=args.kv_cache_dtype)
     enable_compile_cache()
     engine = LLMEngine(model, config, spec)
     reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -22,6 +22,7 @@ import socket
 import sys
 
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
+from jspec.config import KV_CACHE_DTYPES
 DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
 
 
@@ -40,6 +41,9 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
                         f"{DEFAULT_MAX_MODEL_LEN})")
     s.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV page pool in tokens (default: every slot at --max-model-len)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
+                        "halve the cache and round K/V (default auto)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
     s.add_argument("--max-burst-steps", type=int, default=8,
@@ -106,7 +110,7 @@ def serve_options(args):
                           max_num_batched_tokens=args.max_num_batched_tokens or args.max_num_seqs * (k + 1) + 256,
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
-                          tensor_parallel_size=args.tp)
+                          tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     checks._check_attention(args.attention)
     if spec.method in CHECKPOINT_METHODS:
         checks._check_draft_exists(spec)

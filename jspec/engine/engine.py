@@ -27,6 +27,7 @@ import time
 from typing import Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jspec import attention as attention_lib
@@ -179,10 +180,12 @@ class LLMEngine:
                                    step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None)
         # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
         # and the token buffer, checked against the memory available before anything is built
-        kv = memory.kv_cache_bytes(mc, num_pages * ps)
-        own = getattr(drafter, "cache_config", None)  # drafters with pages of their own
+        cache_dtype = jnp.dtype(mc.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+        self.kv_cache_dtype = cache_dtype
+        kv = memory.kv_cache_bytes(mc, num_pages * ps, cache_dtype)
+        own = getattr(drafter, "cache_config", None)  # drafters with pages of their own (of the same dtype)
         if own is not None:
-            kv += memory.kv_cache_bytes(own, num_pages * ps)
+            kv += memory.kv_cache_bytes(own, num_pages * ps, cache_dtype)
         memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
                           f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
                           device=None if device.platform == "cpu" else device)
@@ -198,7 +201,7 @@ class LLMEngine:
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
-                                     params, dparams)
+                                     params, dparams, cache_dtype=cache_dtype)
 
         state = (make(params, drafter_params) if self.mesh is None else
                  sharded.build_state(make, self.mesh, drafter, params, drafter_params))

@@ -59,14 +59,16 @@ def best_ms(fn, *args, repeats: int, compile: bool = True) -> float:
 
 
 def prepared_engine(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
-                    warm_steps: int = 4, attention: str = "auto", extra_tokens: int = 0) -> LLMEngine:
+                    warm_steps: int = 4, attention: str = "auto", extra_tokens: int = 0,
+                    kv_cache_dtype: str = "auto") -> LLMEngine:
     """An engine with one request: ``prompt`` prefilled, its first token and ``warm_steps``
     steps decoded (the state a decode or verification step of that request starts from)."""
     k = spec.num_speculative_tokens if spec.enabled else 0
     sp = dataclasses.replace(sampling, max_tokens=warm_steps * (k + 1) + 8 + extra_tokens, ignore_eos=True)
     ids = encode_prompt(model.tokenizer, prompt)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=_round_up(len(ids) + sp.max_tokens, 64),
-                                           max_burst_steps=warm_steps, attention=attention), spec)
+                                           max_burst_steps=warm_steps, attention=attention,
+                                           kv_cache_dtype=kv_cache_dtype), spec)
     engine.add_request("profile", ids, sp)
     r = engine.requests["profile"]
     while engine.has_unfinished_requests() and not r.output_ids:  # prefill, first token

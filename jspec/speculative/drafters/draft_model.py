@@ -74,7 +74,8 @@ class DraftModelDrafter:
     def init_state(self, target_params, drafter_params, cache) -> DraftModelState:
         c = self.config
         shape = (c.num_kv_heads, cache.num_pages, cache.page_size, c.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, jnp.dtype(c.dtype)) for _ in range(c.num_layers))  # noqa: E731
+        dtype = cache.k_pages[0].dtype  # the target's page dtype (EngineConfig.kv_cache_dtype)
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers))  # noqa: E731
         return DraftModelState(zeros(), zeros(), jnp.zeros_like(cache.lengths))
 
     def admit(self, dstate: DraftModelState, mask, start, cache) -> DraftModelState:

@@ -74,8 +74,9 @@ class EagleDrafter:
         c = self.config
         shape = (c.num_kv_heads, cache.num_pages, cache.page_size, c.head_dim)
         dtype = jnp.dtype(c.dtype)
+        pages = cache.k_pages[0].dtype  # the target's page dtype (EngineConfig.kv_cache_dtype)
         b = cache.lengths.shape[0]
-        return EagleState((jnp.zeros(shape, dtype),), (jnp.zeros(shape, dtype),), jnp.zeros_like(cache.lengths),
+        return EagleState((jnp.zeros(shape, pages),), (jnp.zeros(shape, pages),), jnp.zeros_like(cache.lengths),
                           jnp.zeros((b, self.feature_dim), dtype), jnp.zeros((cache.num_pages, self.feature_dim), dtype))
 
     def admit(self, d: EagleState, mask, start, cache) -> EagleState:
