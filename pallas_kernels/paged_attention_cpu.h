@@ -80,22 +80,11 @@ inline uint16_t float_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
 }
 
-// A page element type: T as stored, one(p) and put(v) for single values, v16s(p) for 16 values
-// as a float32 vector (and v8(p), 8 values, for the AVX2 tiles).
-struct F32Pages {
-  using T = float;
-  static float one(const T* p) { return *p; }
-  static T put(float v) { return v; }
-  static v16 v16s(const T* p) { return load(p); }
-#ifdef JSPEC_AVX2_TILES
-  static __m256 v8(const T* p) { return _mm256_loadu_ps(p); }
-#endif
-};
-
+// A 16-bit page element type: T as stored, one(p) a value as float32, v16s(p) 16 values as a float32
+// vector (and v8(p), 8 values, on AVX2).
 struct F16Pages {
   using T = uint16_t;
   static float one(const T* p) { return half_float(*p); }
-  static T put(float v) { return float_half(v); }
   static v16 v16s(const T* p) {
 #if defined(__AVX512F__)
     return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
@@ -121,7 +110,6 @@ struct F16Pages {
 struct BF16Pages {
   using T = uint16_t;
   static float one(const T* p) { return bf16_float(*p); }
-  static T put(float v) { return float_bf16(v); }
   static v16 v16s(const T* p) {
 #if defined(__AVX512F__)
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -158,3 +158,37 @@ def test_a_draft_vocabularys_q8_0_head_is_the_targets_own_blocks(smollm2):
     engine = LLMEngine(smollm2, jspec.EngineConfig(max_num_seqs=1, max_model_len=256),
                        jspec.SpecConfig("eagle", 2, draft="smollm2-135m-eagle3"))
     np.testing.assert_array_equal(np.asarray(engine.runner.drafter_params["lm_head_rows"]), ours)
+
+
+def test_half_kv_pages_on_the_real_model(smollm2, hf_smollm2):
+    """K/V pages in 16 bits (EngineConfig.kv_cache_dtype): the logits move by the rounding of K and
+    V (float16, llama.cpp's default cache: < 0.05 of logits spanning ~40; bfloat16 < 0.25) on the
+    reference attention and the CPU kernel alike, every position's argmax as transformers' on
+    float16; and greedy n-gram speculation stays token-identical to plain decoding on the same
+    pages."""
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    cfg = smollm2.config
+    ids = smollm2.tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+    pages = -(-len(ids) // 16)
+    tables = jnp.arange(pages, dtype=jnp.int32)[None]
+    for dtype, bound in ((jnp.float16, 0.05), (jnp.bfloat16, 0.25)):
+        for attention in ("reference", "auto"):
+            cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 1, 16, dtype)
+            got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention=attention).logits)(
+                smollm2.params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
+            err = np.abs(np.asarray(got[0]) - want).max()
+            assert 1e-4 < err < bound, (dtype, attention, err)  # moved, and by little
+            if dtype == jnp.float16:
+                assert (np.asarray(got[0]).argmax(-1) == want.argmax(-1)).all()
+    sp = jspec.SamplingParams(max_tokens=32)
+    outs = []
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512,
+                        kv_cache_dtype="float16")
+        assert llm.engine.runner.state.cache.k_pages[0].dtype == jnp.float16
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)])
+    assert outs[0] == outs[1]
