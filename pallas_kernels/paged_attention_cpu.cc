@@ -1,7 +1,7 @@
 // Paged verification attention for XLA's CPU backend, as an XLA FFI custom call.
 //
 // The contract of pallas_kernels/paged_verify_attention.py, float32 queries over float32, float16
-// or bfloat16 pages:
+// or bfloat16 pages (read as float32: paged_attention_cpu.h):
 //   q [B, T, Hq, D], k_pages / v_pages [KVH, P, S, D], block_tables int32 [B, W],
 //   kv_lens int32 [B], q_lens int32 [B]  ->  out [B, T, Hq, D]
 // Sequence b has q_lens[b] new query rows whose K/V are already in the pages; row t sits at
@@ -20,11 +20,12 @@
 // pages are read in place. Each row's result is computed in the same order whatever the other
 // rows, so a decode step's row equals the same row inside a verification step's.
 //
-// Pages of float16 or bfloat16: a unit first widens its chunk's K and V rows to float32 (each
-// value exact) into buffers of its thread, then runs as on float32 pages, so each key is
-// converted once however many rows read it (converted in the inner loops, once per row, a
-// verification step at 1,000 keys cost nearly what it did on float32 pages), and the result is
-// the float32 kernel's on the widened pages, bit for bit.
+// Pages of float16 or bfloat16 are widened to float32 as the passes load them (unit<Pg>): the
+// same operations on the same values, so the result is the float32 kernel's on the widened
+// pages, bit for bit (the scalar tails are one fma whatever the pages hold). Widening a chunk's
+// rows into a float32 buffer first instead (each key converted once, not once per row group) ran
+// no faster than float32 pages, where converting as they load ran a decode step's 30 layers at
+// 1,000 keys in 1.49-1.63 ms against 1.78-1.90 (BENCHMARKS.md, twenty-fifth session).
 //
 // On a CPU with AVX2 and FMA but not AVX-512 (JSPEC_AVX2_TILES) the same passes run as AVX2
 // tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x
@@ -106,20 +107,20 @@ constexpr int64_t kChunkKeys = 256;  // keys per unit of work (split-K, combined
 
 // acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..], for
 // the first `rows` rows of a group, the accumulators held in registers through the keys.
-template <int NV, class VRow>
+template <class Pg, int NV, class VRow>
 void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t to, int64_t d,
                  const VRow& vrow, float (&acc)[kRowGroup][256]) {
   v16 a[kRowGroup][NV];
   for (int r = 0; r < kRowGroup; ++r)
     for (int i = 0; i < NV; ++i) a[r][i] = r < rows ? load(acc[r] + d + i * kLanes) : v16{};
   for (int64_t pos = from; pos < to; ++pos) {
-    const float* v = vrow(pos) + d;
+    const auto* v = vrow(pos) + d;
     if (pos + kLanes < to) {
-      const float* ahead = vrow(pos + kLanes) + d;
+      const auto* ahead = vrow(pos + kLanes) + d;
       for (int i = 0; i < NV; ++i) __builtin_prefetch(ahead + i * kLanes);
     }
     v16 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = load(v + i * kLanes);
+    for (int i = 0; i < NV; ++i) vv[i] = Pg::v16s(v + i * kLanes);
     for (int r = 0; r < kRowGroup; ++r) {
       if (r >= rows) break;
       const v16 pr = splat(p[r * n + pos - from]);
@@ -189,8 +190,9 @@ inline float softmax_row_avx2(float* sr, int64_t seen, float& m) {
 // the 3 rows' 8 floats held, a key's 8 floats loaded once for all of them. Each dot is summed
 // in the same order whatever R: 8-lane partial sums along D, the lanes (hadd), then the
 // columns past the last multiple of 8 one by one.
-template <int R>
-inline void dots_tile(const float* const* qr, const float* const* keys, int64_t D, float (*dots)[kLanes], int j0) {
+template <class Pg, int R>
+inline void dots_tile(const float* const* qr, const typename Pg::T* const* keys, int64_t D, float (*dots)[kLanes],
+                      int j0) {
   __m256 acc[R][4];
 #pragma GCC unroll 3
   for (int i = 0; i < R; ++i)
@@ -206,7 +208,7 @@ inline void dots_tile(const float* const* qr, const float* const* keys, int64_t 
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      __m256 kv = _mm256_loadu_ps(keys[j] + c);
+      __m256 kv = Pg::v8(keys[j] + c);
       jspec_cpu::pin(kv);
 #pragma GCC unroll 3
       for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
@@ -219,7 +221,7 @@ inline void dots_tile(const float* const* qr, const float* const* keys, int64_t 
     float out[4];
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     for (int64_t t = c; t < D; ++t)
-      for (int j = 0; j < 4; ++j) out[j] += qr[i][t] * keys[j][t];
+      for (int j = 0; j < 4; ++j) out[j] = std::fma(qr[i][t], Pg::one(keys[j] + t), out[j]);
     std::memcpy(dots[i] + j0, out, sizeof out);
   }
 }
@@ -227,16 +229,16 @@ inline void dots_tile(const float* const* qr, const float* const* keys, int64_t 
 // acc[r][d .. d + 8 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..] for
 // RG <= 3 rows, the accumulators (RG x NV <= 12) held in registers through the keys, v(pos) =
 // vrows[pos - from]; the same fused multiply-add per element as the per-row tail in `unit`.
-template <int RG, int NV>
-void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64_t d, const float* const* vrows,
-                      float (&acc)[kRowGroup][256]) {
+template <class Pg, int RG, int NV>
+void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64_t d,
+                      const typename Pg::T* const* vrows, float (&acc)[kRowGroup][256]) {
   __m256 a[RG][NV];
 #pragma GCC unroll 3
   for (int r = 0; r < RG; ++r)
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) a[r][i] = _mm256_loadu_ps(acc[r] + d + 8 * i);
   for (int64_t pos = from; pos < to; ++pos) {
-    const float* v = vrows[pos - from] + d;
+    const auto* v = vrows[pos - from] + d;
     if (pos + kLanes < to) _mm_prefetch(reinterpret_cast<const char*>(vrows[pos - from + kLanes] + d), _MM_HINT_T0);
     __m256 pr[RG];
 #pragma GCC unroll 3
@@ -246,7 +248,7 @@ void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) {
-      __m256 vv = _mm256_loadu_ps(v + 8 * i);
+      __m256 vv = Pg::v8(v + 8 * i);
       jspec_cpu::pin(vv);
 #pragma GCC unroll 3
       for (int r = 0; r < RG; ++r) a[r][i] = _mm256_fmadd_ps(pr[r], vv, a[r][i]);
@@ -258,14 +260,14 @@ void value_block_avx2(const float* p, int64_t n, int64_t from, int64_t to, int64
     for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc[r] + d + 8 * i, a[r][i]);
 }
 
-template <int NV>
+template <class Pg, int NV>
 void value_rows_avx2(const float* p, int64_t n, int64_t rows, int64_t from, int64_t to, int64_t d,
-                     const float* const* vrows, float (&acc)[kRowGroup][256]) {
+                     const typename Pg::T* const* vrows, float (&acc)[kRowGroup][256]) {
   static_assert(kRowGroup == 3, "one case per group size");
   switch (rows) {
-    case 3: value_block_avx2<3, NV>(p, n, from, to, d, vrows, acc); break;
-    case 2: value_block_avx2<2, NV>(p, n, from, to, d, vrows, acc); break;
-    case 1: value_block_avx2<1, NV>(p, n, from, to, d, vrows, acc); break;
+    case 3: value_block_avx2<Pg, 3, NV>(p, n, from, to, d, vrows, acc); break;
+    case 2: value_block_avx2<Pg, 2, NV>(p, n, from, to, d, vrows, acc); break;
+    case 1: value_block_avx2<Pg, 1, NV>(p, n, from, to, d, vrows, acc); break;
     default: break;
   }
 }
@@ -274,19 +276,25 @@ void value_rows_avx2(const float* p, int64_t n, int64_t rows, int64_t from, int6
 // One unit: sequence b, KV head kvh, keys [k0, k1). Its rows are the G query heads of the KV
 // head times the T query rows (row r = t * G + g), so each K and V row is read once for all of
 // them. Row r (position first_pos + t) sees keys <= first_pos + t. Writes per row the chunk's
-// max score m, sum of exp(score - m) and sum of exp(score - m) v (unnormalised) to `part`.
-// krow(pos) / vrow(pos): the float32 K / V row of position pos, the rows of one page (of S) one
-// after another.
-template <class KRow, class VRow>
-void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, int64_t b, int64_t kvh,
-          int64_t rows_t, int64_t first_pos, int64_t k0, int64_t k1, std::vector<float>& scores, float* part) {
+// max score m, sum of exp(score - m) and sum of exp(score - m) v (unnormalised) to `part`. The
+// pages hold Pg's elements (paged_attention_cpu.h), read as float32.
+template <class Pg>
+void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typename Pg::T* vp, const int32_t* table,
+          int64_t b, int64_t kvh, int64_t rows_t, int64_t first_pos, int64_t k0, int64_t k1,
+          std::vector<float>& scores, float* part) {
+  using E = typename Pg::T;
   const int64_t D = s.D, S = s.S, G = s.G;
   const int64_t R = rows_t * G, n = k1 - k0;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
   scores.assign(static_cast<size_t>(R * n), ninf);
   auto qrow = [&](int64_t r) { return q + ((b * s.T + r / G) * s.Hq + kvh * G + r % G) * D; };
-  auto prefetch_page = [&](const float* page, int64_t keys) {
+  auto page_of = [&](const E* pages, int64_t slot) {  // first row of table slot `slot`
+    int64_t page = table[slot];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), s.P - 1);  // memory-safe on a bad table
+    return pages + (kvh * s.P + page) * S * D;
+  };
+  auto prefetch_page = [&](const E* page, int64_t keys) {
     for (int64_t i = 0; i < keys * D; i += kLanes) __builtin_prefetch(page + i);
   };
 #ifdef JSPEC_AVX2_TILES
@@ -296,8 +304,8 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
   auto prefetch_block = [&](int64_t pos) {
     if (pos >= k1) return;
     const int64_t keys = std::min<int64_t>(std::min<int64_t>(kLanes, k1 - pos), S - pos % S);  // in pos's page
-    const float* kr = krow(pos);
-    const float* vr = vrow(pos);
+    const E* kr = page_of(kp, pos / S) + (pos % S) * D;
+    const E* vr = page_of(vp, pos / S) + (pos % S) * D;
     for (int64_t i = 0; i < keys * D; i += kLanes) {
       __builtin_prefetch(kr + i, 0, 3);
       __builtin_prefetch(vr + i, 0, 2);
@@ -309,17 +317,17 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
   // accumulated as 16 vectors and summed across lanes together (reduce16), not one by one
   for (int64_t p0 = k0; p0 < k1; p0 += kLanes) {
     const int64_t nb = std::min<int64_t>(kLanes, k1 - p0);
-    const float* keys[kLanes];
+    const E* keys[kLanes];
     for (int64_t j = 0; j < kLanes; ++j) {
       const int64_t pos = p0 + std::min(j, nb - 1);
-      keys[j] = krow(pos);
+      keys[j] = page_of(kp, pos / S) + (pos % S) * D;
     }
 #ifdef JSPEC_AVX2_TILES
     prefetch_block(p0 + kAheadBlocks * kLanes);
 #else
     if (p0 + kLanes < k1) {  // the next block's key rows
       const int64_t pos = p0 + kLanes;
-      prefetch_page(krow(pos), std::min<int64_t>(kLanes, S - pos % S));
+      prefetch_page(page_of(kp, pos / S) + (pos % S) * D, std::min<int64_t>(kLanes, S - pos % S));
     }
 #endif
 #ifdef JSPEC_AVX2_TILES
@@ -328,9 +336,9 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
       const float* qr[3] = {qrow(r0), qrow(r0 + (nr > 1)), qrow(r0 + 2 * (nr > 2))};
       float dots[3][kLanes];
       for (int j0 = 0; j0 < kLanes; j0 += 4) {
-        if (nr == 3) dots_tile<3>(qr, keys + j0, D, dots, j0);
-        else if (nr == 2) dots_tile<2>(qr, keys + j0, D, dots, j0);
-        else dots_tile<1>(qr, keys + j0, D, dots, j0);
+        if (nr == 3) dots_tile<Pg, 3>(qr, keys + j0, D, dots, j0);
+        else if (nr == 2) dots_tile<Pg, 2>(qr, keys + j0, D, dots, j0);
+        else dots_tile<Pg, 1>(qr, keys + j0, D, dots, j0);
       }
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
@@ -347,11 +355,11 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
       int64_t c = 0;
       for (; c + kLanes <= D; c += kLanes) {
         const v16 qv = load(qr + c);
-        for (int j = 0; j < kLanes; ++j) acc[j] += qv * load(keys[j] + c);
+        for (int j = 0; j < kLanes; ++j) acc[j] += qv * Pg::v16s(keys[j] + c);
       }
       v16 dots = reduce16(acc);
       for (; c < D; ++c)
-        for (int j = 0; j < kLanes; ++j) dots[j] += qr[c] * keys[j][c];
+        for (int j = 0; j < kLanes; ++j) dots[j] = std::fma(qr[c], Pg::one(keys[j] + c), dots[j]);
       dots *= splat(scale);
       const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
       std::memcpy(scores.data() + r * n + (p0 - k0), &dots, sizeof(float) * seen);
@@ -399,8 +407,9 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
   // every row of the group sees run with the accumulators in registers, 64 floats of them at a
   // time (value_block; AVX2: 32, value_block_avx2); the group's last few keys, which only some
   // of its rows see, one row at a time. Either way each row adds its keys in order with the same operations.
+  auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
 #ifdef JSPEC_AVX2_TILES
-  const float* vrows[kChunkKeys + kLanes];  // vrow(k0 + i), and the last row again past the end
+  const E* vrows[kChunkKeys + kLanes];  // vrow(k0 + i), and the last row again past the end
   for (int64_t i = 0; i < n + kLanes; ++i) vrows[i] = vrow(k0 + std::min(i, n - 1));
 #endif
   for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
@@ -412,30 +421,32 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
     const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
     int64_t d = 0;
 #ifdef JSPEC_AVX2_TILES
-    for (; d + 32 <= D; d += 32) value_rows_avx2<4>(p, n, g1 - g0, k0, all, d, vrows, acc);
+    for (; d + 32 <= D; d += 32) value_rows_avx2<Pg, 4>(p, n, g1 - g0, k0, all, d, vrows, acc);
     switch ((D - d) / 8) {
-      case 3: value_rows_avx2<3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
-      case 2: value_rows_avx2<2>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
-      case 1: value_rows_avx2<1>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      case 3: value_rows_avx2<Pg, 3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      case 2: value_rows_avx2<Pg, 2>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+      case 1: value_rows_avx2<Pg, 1>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
       default: break;
     }
     for (d = D / 8 * 8; d < D; ++d)  // the columns past the last multiple of 8
       for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrows[pos - k0][d];
+        for (int64_t r = 0; r < g1 - g0; ++r)
+          acc[r][d] = std::fma(p[r * n + pos - k0], Pg::one(vrows[pos - k0] + d), acc[r][d]);
 #else
-    for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<4>(p, n, g1 - g0, k0, all, d, vrow, acc);
+    for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<Pg, 4>(p, n, g1 - g0, k0, all, d, vrow, acc);
     switch ((D - d) / kLanes) {
-      case 3: value_block<3>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
-      case 2: value_block<2>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
-      case 1: value_block<1>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      case 3: value_block<Pg, 3>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      case 2: value_block<Pg, 2>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
+      case 1: value_block<Pg, 1>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
       default: break;
     }
     for (d = D / kLanes * kLanes; d < D; ++d)  // the columns past the last full vector
       for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r) acc[r][d] += p[r * n + pos - k0] * vrow(pos)[d];
+        for (int64_t r = 0; r < g1 - g0; ++r)
+          acc[r][d] = std::fma(p[r * n + pos - k0], Pg::one(vrow(pos) + d), acc[r][d]);
 #endif
     for (int64_t pos = all; pos < last; ++pos) {
-      const float* v = vrow(pos);
+      const E* v = vrow(pos);
       const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
       for (int64_t r = from; r < g1; ++r) {
         const float pr = p[(r - g0) * n + pos - k0];
@@ -443,42 +454,14 @@ void unit(const Shapes& s, const float* q, const KRow& krow, const VRow& vrow, i
         int64_t c = 0;
 #ifdef JSPEC_AVX2_TILES
         for (; c + 8 <= D; c += 8)
-          _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), _mm256_loadu_ps(v + c), _mm256_loadu_ps(a + c)));
+          _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), Pg::v8(v + c), _mm256_loadu_ps(a + c)));
 #else
-        for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * load(v + c));
+        for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * Pg::v16s(v + c));
 #endif
-        for (; c < D; ++c) a[c] += pr * v[c];
+        for (; c < D; ++c) a[c] = std::fma(pr, Pg::one(v + c), a[c]);  // scalar tails: one fused op whatever Pg
       }
     }
     for (int64_t r = g0; r < g1; ++r) std::memcpy(part + r * (D + 2) + 2, acc[r - g0], sizeof(float) * D);
-  }
-}
-
-// Row `pos` of sequence b's pages of KV head kvh (table: the sequence's block table).
-template <class T>
-const T* page_row(const Shapes& s, const T* pages, const int32_t* table, int64_t kvh, int64_t pos) {
-  int64_t page = table[pos / s.S];
-  page = std::min<int64_t>(std::max<int64_t>(page, 0), s.P - 1);  // memory-safe on a bad table
-  return pages + ((kvh * s.P + page) * s.S + pos % s.S) * s.D;
-}
-
-// out[(pos - k0) D ..] = the rows [k0, k1) of 16-bit pages, widened to float32 (Pg: the element).
-template <class Pg>
-void widen_rows(const Shapes& s, const typename Pg::T* pages, const int32_t* table, int64_t kvh, int64_t k0,
-                int64_t k1, std::vector<float>& out) {
-  const int64_t D = s.D;
-  out.resize(static_cast<size_t>((k1 - k0) * D));
-  for (int64_t pos = k0; pos < k1; ++pos) {
-    const typename Pg::T* src = page_row(s, pages, table, kvh, pos);
-    if (pos + 8 < k1) __builtin_prefetch(page_row(s, pages, table, kvh, pos + 8));
-    float* dst = out.data() + (pos - k0) * D;
-    int64_t c = 0;
-#if defined(__AVX512F__)
-    for (; c + kLanes <= D; c += kLanes) store(dst + c, Pg::v16s(src + c));
-#elif defined(JSPEC_AVX2_TILES)
-    for (; c + 8 <= D; c += 8) _mm256_storeu_ps(dst + c, Pg::v8(src + c));
-#endif
-    for (; c < D; ++c) dst[c] = Pg::one(src + c);
   }
 }
 
@@ -510,19 +493,6 @@ float* AttentionPlan::part_of(int64_t b, int64_t kvh, int64_t c) {
   return parts.data() + ((b * s.KVH + kvh) * max_chunks + c) * R * stride;
 }
 
-template <class Pg>
-void widened_unit(const Shapes& s, const float* q, const void* kp, const void* vp, const int32_t* table, int64_t b,
-                  int64_t kvh, int64_t rows_t, int64_t first_pos, int64_t k0, int64_t k1, std::vector<float>& scores,
-                  float* part) {
-  thread_local std::vector<float> kw, vw;
-  using T = typename Pg::T;
-  widen_rows<Pg>(s, static_cast<const T*>(kp), table, kvh, k0, k1, kw);
-  widen_rows<Pg>(s, static_cast<const T*>(vp), table, kvh, k0, k1, vw);
-  const int64_t D = s.D;
-  unit(s, q, [&](int64_t pos) { return kw.data() + (pos - k0) * D; },
-       [&](int64_t pos) { return vw.data() + (pos - k0) * D; }, b, kvh, rows_t, first_pos, k0, k1, scores, part);
-}
-
 void AttentionPlan::run(int64_t u) {
   thread_local std::vector<float> scores;
   int64_t b = 0;
@@ -530,21 +500,19 @@ void AttentionPlan::run(int64_t u) {
   const Seq& sq = seqs[b];
   const int64_t kvh = (u - sq.first_unit) / sq.chunks, c = (u - sq.first_unit) % sq.chunks;
   const int64_t k0 = c * kChunkKeys, k1 = std::min(sq.keys, (c + 1) * kChunkKeys);
-  const int32_t* table = tables + b * s.W;
   float* part = part_of(b, kvh, c);
   switch (type) {
-    case PageType::kF32: {
-      const float *kf = static_cast<const float*>(kp), *vf = static_cast<const float*>(vp);
-      unit(s, q, [&](int64_t pos) { return page_row(s, kf, table, kvh, pos); },
-           [&](int64_t pos) { return page_row(s, vf, table, kvh, pos); }, b, kvh, sq.rows, sq.first_pos, k0, k1,
-           scores, part);
+    case PageType::kF32:
+      unit<F32Pages>(s, q, static_cast<const float*>(kp), static_cast<const float*>(vp), tables + b * s.W, b, kvh,
+                     sq.rows, sq.first_pos, k0, k1, scores, part);
       break;
-    }
     case PageType::kF16:
-      widened_unit<F16Pages>(s, q, kp, vp, table, b, kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
+      unit<F16Pages>(s, q, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), tables + b * s.W, b,
+                     kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
       break;
     case PageType::kBF16:
-      widened_unit<BF16Pages>(s, q, kp, vp, table, b, kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
+      unit<BF16Pages>(s, q, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), tables + b * s.W, b,
+                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
       break;
   }
 }

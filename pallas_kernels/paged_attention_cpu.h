@@ -80,8 +80,17 @@ inline uint16_t float_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
 }
 
-// A 16-bit page element type: T as stored, one(p) a value as float32, v16s(p) 16 values as a float32
-// vector (and v8(p), 8 values, on AVX2).
+// A page element type: T as stored, one(p) a value as float32, v16s(p) 16 values as a float32
+// vector (and v8(p), 8 values, for the AVX2 tiles).
+struct F32Pages {
+  using T = float;
+  static float one(const T* p) { return *p; }
+  static v16 v16s(const T* p) { return load(p); }
+#ifdef JSPEC_AVX2_TILES
+  static __m256 v8(const T* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+
 struct F16Pages {
   using T = uint16_t;
   static float one(const T* p) { return half_float(*p); }
