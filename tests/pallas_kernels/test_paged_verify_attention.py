@@ -82,6 +82,10 @@ CASES = {
     "soft_cap_sm_scale_t2_g1": Case(2, 1, 64, 32, (3, 90), sm_scale=0.3, soft_cap=5.0),
     "bf16_q_over_f32_cache": Case(5, 3, 64, 16, (9, 60), dtype=jnp.bfloat16,
                                   cache_dtype=jnp.float32),
+    # a float32 model over 16-bit pages (EngineConfig.kv_cache_dtype)
+    "f32_q_over_f16_cache": Case(5, 3, 64, 16, (9, 60, 33), dtype=jnp.float32, cache_dtype=jnp.float16,
+                                 garbage="mixed", tiles=(("num_splits", 2),)),
+    "f32_q_over_bf16_cache": Case(1, 3, 64, 16, (1, 60, 100), dtype=jnp.float32, cache_dtype=jnp.bfloat16),
     # block tables much wider than the live context, real and invalid ids past the live pages
     "wide_table_mixed_garbage_splits": Case(5, 3, 64, 16, (20, 70, 5), q_lens=(5, 2, 5),
                                             max_pages=20, garbage="mixed",
@@ -291,8 +295,8 @@ B, T, KVH, G, D, PAGE, PAGES, MAX_PAGES = 4, 16, 8, 8, 128, 16, 512, 128
 
 
 def _lower_for(platform: str, device_kind: str, batch: int = B, t: int = T, group: int = G,
-               d: int = D, pages: int = PAGES, max_pages: int = MAX_PAGES):
-    """The kernel lowered for ``platform`` via an abstract device (bf16)."""
+               d: int = D, pages: int = PAGES, max_pages: int = MAX_PAGES, dtype=jnp.bfloat16, cache_dtype=None):
+    """The kernel lowered for ``platform`` via an abstract device (bf16 unless said)."""
     import jaxlib
 
     jaxlib_version = tuple(int(x) for x in jaxlib.__version__.split(".")[:3])
@@ -303,9 +307,10 @@ def _lower_for(platform: str, device_kind: str, batch: int = B, t: int = T, grou
         if not triton.has_compilation_handler(platform):
             pytest.skip(f"this jaxlib cannot compile Triton for {platform}")
     sds = jax.ShapeDtypeStruct
-    args = (sds((batch, t, KVH * group, d), jnp.bfloat16),
-            sds((KVH, pages, PAGE, d), jnp.bfloat16),
-            sds((KVH, pages, PAGE, d), jnp.bfloat16),
+    cache_dtype = cache_dtype or dtype
+    args = (sds((batch, t, KVH * group, d), dtype),
+            sds((KVH, pages, PAGE, d), cache_dtype),
+            sds((KVH, pages, PAGE, d), cache_dtype),
             sds((batch, max_pages), jnp.int32),
             sds((batch,), jnp.int32),
             sds((batch,), jnp.int32))
@@ -344,7 +349,19 @@ def _triton_modules(monkeypatch, *lower_args, **lower_kwargs) -> list[str]:
     ("rocm", "AMD Instinct MI300X", tuning.CDNA3),
 ])
 def test_lowers_to_a_triton_call_with_the_device_tuning_entry(platform, kind, entry):
-    text = _lower_for(platform, kind).as_text()
+    _check_triton_call(_lower_for(platform, kind).as_text(), entry)
+
+
+@pytest.mark.parametrize("platform, kind, entry", [("cuda", "NVIDIA H200", tuning.HOPPER),
+                                                   ("rocm", "gfx942", tuning.CDNA3)])
+def test_a_float32_model_over_float16_pages_lowers_to_one_triton_call(platform, kind, entry):
+    """EngineConfig.kv_cache_dtype="float16" under a float32 model: float32 queries, 16-bit pages."""
+    text = _lower_for(platform, kind, dtype=jnp.float32, cache_dtype=jnp.float16).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+    assert len(calls) == 1 and "triton" in calls[0], calls
+
+
+def _check_triton_call(text: str, entry):
     calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
     assert len(calls) == 1 and "triton" in calls[0], calls  # one kernel launch
     [name] = re.findall(r'name = "(paged_verify_attention[^"]*)"', text)
