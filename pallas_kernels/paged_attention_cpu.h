@@ -80,6 +80,14 @@ inline uint16_t float_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
 }
 
+// 16 values of 16 bits as float32, one at a time (builds without the vector conversions).
+template <float (*Widen)(uint16_t)>
+inline v16 widen16(const uint16_t* p) {
+  v16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = Widen(p[i]);
+  return v;
+}
+
 // A page element type: T as stored, one(p) a value as float32, v16s(p) 16 values as a float32
 // vector (and v8(p), 8 values, for the AVX2 tiles).
 struct F32Pages {
@@ -98,9 +106,7 @@ struct F16Pages {
 #if defined(__AVX512F__)
     return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #else
-    v16 v;
-    for (int i = 0; i < kLanes; ++i) v[i] = half_float(p[i]);
-    return v;
+    return widen16<half_float>(p);
 #endif
   }
 #ifdef JSPEC_AVX2_TILES
@@ -124,9 +130,7 @@ struct BF16Pages {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
 #else
-    v16 v;
-    for (int i = 0; i < kLanes; ++i) v[i] = bf16_float(p[i]);
-    return v;
+    return widen16<bf16_float>(p);
 #endif
   }
 #ifdef JSPEC_AVX2_TILES
