@@ -205,3 +205,25 @@ def test_one_engine_per_method_whatever_the_prompts(model, monkeypatch):
     assert len(built) == 2 and [e.spec.enabled for e in built] == [False, True]
     assert all(e.config.max_model_len >= max(lengths) + 6 for e in built)
     assert all(e.stats.cached_prompt_tokens == 0 for e in built)  # emptied before each prompt
+
+
+def test_bench_on_float16_kv_pages(model, monkeypatch):
+    """``--kv-cache-dtype float16``: every jspec method's engine holds float16 pages, the greedy
+    check still holds against AR on the same pages, and the report says which pages ran."""
+    import jax.numpy as jnp
+
+    engines = []
+    real = bench.EngineRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        engines.append(self.engine)
+
+    monkeypatch.setattr(bench.EngineRunner, "__init__", spy)
+    report = bench.run_bench(model, PROMPTS, bench.parse_methods("ngram:2"), max_tokens=12, progress=False,
+                             warmup_tokens=2, kv_cache_dtype="float16")
+    report.check()
+    assert report.mismatches == [] and report.meta["kv_cache_dtype"] == "float16"
+    assert len(engines) == 2 and all(e.runner.state.cache.k_pages[0].dtype == jnp.float16 for e in engines)
+    code, out, err = _cli("bench", "--model", "unused", "--kv-cache-dtype", "fp8")
+    assert code == 2 and out == "" and "--kv-cache-dtype" in err

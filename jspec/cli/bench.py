@@ -17,6 +17,7 @@ import json
 import sys
 
 from jspec.cli.guard import EXIT_BUG
+from jspec.config import KV_CACHE_DTYPES
 
 SUITES = ("humaneval",)
 DEFAULT_METHODS = "ar,ngram:4"
@@ -46,6 +47,8 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
     b.add_argument("--profile", action="store_true", help="also time draft / verify / plain steps apart")
     b.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    b.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the jspec methods' KV pages (default auto: the model's dtype)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (default 0: greedy, and tokens are checked against AR)")
     b.add_argument("--top-p", type=float, default=1.0)
@@ -119,7 +122,8 @@ def cmd_bench(args) -> int:
         methods = methods + transformers_peers(model, assisted)
     enable_compile_cache()
     report = run_bench(model, prompts, methods, max_tokens=args.max_tokens, chat=args.chat,
-                       attention=args.attention, profile=args.profile, sampling=sampling)
+                       attention=args.attention, profile=args.profile, sampling=sampling,
+                       kv_cache_dtype=args.kv_cache_dtype)
     print(f"{report.meta['machine']}, {report.meta['date']}; {model.source.name} ({report.meta['dtype']}), "
           f"{report.meta['sampling']}, "
           f"batch 1, up to {args.max_tokens} new tokens, {report.num_prompts} prompts\n")
