@@ -257,7 +257,7 @@ def main():
 
     for m in filter(None, args.online_methods.split(",")):  # --online-methods "": offline only
         engine = engine_for(model, spec_of(m), 8, max_model_len, small_rows_of(m))
-        for rate in [float(r) for r in args.online_rates.split(",")]:
+        for rate in [float(r) for r in args.online_rates.split(",") if r]:
             row = {"method": m, **online(engine, ids, sp, rate, args.online_requests)}
             results["online"].append(row)
             print(json.dumps(row), flush=True)
