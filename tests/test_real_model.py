@@ -112,8 +112,8 @@ def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
 
 
 def test_engine_batches_real_requests_losslessly(smollm2):
-    """The engine with two slots serving four HumanEval-like prompts that arrive together, with
-    n-gram at a fixed k, n-gram under dynamic k (warmed up: its calibration's speculative steps
+    """The engine with four slots (n-gram at a fixed k) or two serving four HumanEval-like prompts
+    that arrive together, with n-gram at a fixed k, n-gram under dynamic k (warmed up: its calibration's speculative steps
     verified drafts at every step, the target continuing the prefilled pattern) and the shipped
     EAGLE head: each output equals the prompt run alone.
 
@@ -123,10 +123,11 @@ def test_engine_batches_real_requests_losslessly(smollm2):
     sp = jspec.SamplingParams(max_tokens=32)
     prompts = PROMPTS[:2] + ["def is_palindrome(s: str) -> bool:\n", "def add(a, b):"]
     alone = [jspec.generate(smollm2, [p], sp).token_ids[0] for p in prompts]
-    for config in ({"method": "ngram", "num_speculative_tokens": 4},
-                   {"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True},
-                   {"method": "eagle", "num_speculative_tokens": 3, "model": "smollm2-135m-eagle"}):
-        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512)
+    # four slots at k = 4: verification steps of 20 rows, on the GGUF blocks' kernel (up to 32 rows)
+    for config, slots in (({"method": "ngram", "num_speculative_tokens": 4}, 4),
+                          ({"method": "ngram", "num_speculative_tokens": 4, "dynamic_k": True}, 2),
+                          ({"method": "eagle", "num_speculative_tokens": 3, "model": "smollm2-135m-eagle"}, 2)):
+        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=slots, max_model_len=512)
         if config.get("dynamic_k"):
             llm.engine.warmup()
             drafted = llm.engine.calibration_drafted

@@ -36,6 +36,23 @@ def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts(kern
         np.testing.assert_allclose(got, 2 * plain if reads_copy else plain, rtol=1e-5, atol=1e-5)
 
 
+def test_a_quantized_copy_is_read_up_to_32_rows(kernels_on):
+    """A copy in the quantized layout (a GGUF file's blocks) is read for up to 32 rows, where the
+    float32 ``kernel`` through XLA would read 4.8x the bytes; a float copy only up to 16."""
+    from jspec.loading.convert import quantize_rows
+    from jspec.models.llama import QUANTIZED_KERNEL_ROWS
+
+    p = Linear(8).init(jax.random.PRNGKey(0), jnp.ones((3, 64)))["params"]
+    doubled = {"params": {**p, "weight": jnp.asarray(quantize_rows(np.asarray(2 * p["kernel"].T), "q8_0"))}}
+    for rows in (1, 16, 17, 32, 33, 64):
+        x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 64))
+        plain = x @ p["kernel"]
+        got = Linear(8).apply(doubled, x)
+        reads_copy = rows in QUANTIZED_KERNEL_ROWS
+        assert reads_copy == (rows <= 32)
+        np.testing.assert_allclose(got, 2 * plain if reads_copy else plain, rtol=0, atol=2e-2 * np.abs(plain).max())
+
+
 def test_with_small_row_weights_adds_packed_transposes_of_the_layer_projections_only():
     model = tiny_model(tiny_config(num_layers=2))
     out = with_small_row_weights(model.params)

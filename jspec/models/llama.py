@@ -184,7 +184,11 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
 # kernel is built: it reads the weight once for any number of rows, where XLA's CPU dot re-packs
 # it for 2 or more. Up to 16 rows the kernel measured faster than XLA's product (a k = 4 step's 5
 # rows ~1.1x one row, 16 rows ~1.5-2x; XLA 1.3-1.9x); beyond, XLA's (BENCHMARKS.md, issue 11).
+# Where the copy is a GGUF file's Q4_1 / Q8_0 blocks, up to 32: XLA's product then reads the
+# float32 weights, 4.8x the bytes (a k = 4 step at 4 slots, 20 rows: 71.9 ms through XLA, 36.6 on
+# the kernel; BENCHMARKS.md, twenty-fifth session).
 KERNEL_ROWS = range(1, 17)
+QUANTIZED_KERNEL_ROWS = range(1, 33)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -194,9 +198,11 @@ def small_rows_apply(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows")
 
 
-def _few_rows(x, dtype) -> bool:
-    """Whether ``x`` [..., in] has :data:`KERNEL_ROWS` rows for a product the kernel can run."""
-    return math.prod(x.shape[:-1]) in KERNEL_ROWS and small_rows_apply(dtype)
+def _few_rows(x, dtype, quantized: bool = False) -> bool:
+    """Whether ``x`` [..., in] has :data:`KERNEL_ROWS` rows (:data:`QUANTIZED_KERNEL_ROWS` for a
+    weight in the quantized layout) for a product the kernel can run."""
+    rows = QUANTIZED_KERNEL_ROWS if quantized else KERNEL_ROWS
+    return math.prod(x.shape[:-1]) in rows and small_rows_apply(dtype)
 
 
 class Linear(nn.Module):
@@ -213,7 +219,8 @@ class Linear(nn.Module):
         """``x @ kernel (+ bias)``; with ``norm`` = (gain, eps) ``x`` goes through RMSNorm first, with
         ``residual`` it is added to the result. On the small-row kernel both fold into its call."""
         x = x.astype(self.dtype)
-        kernel_path = self.has_variable("params", "weight") and _few_rows(x, self.dtype)
+        packed = self.get_variable("params", "weight") if self.has_variable("params", "weight") else None
+        kernel_path = packed is not None and _few_rows(x, self.dtype, small_rows.quantized_type(packed) is not None)
         if kernel_path and (norm is not None or residual is not None):
             w = self.get_variable("params", "weight")
             y = small_rows.fused_small_rows(x, w, self.features, scale=None if norm is None else norm[0],
@@ -237,7 +244,7 @@ def times_rows(x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = N
     vocabulary's embedding rows): a few float32 rows go through the CPU small-row kernel, which
     reads ``rows`` as they are (no packed copy), or ``quantized``, the same rows in its quantized
     layout, where given; anything else through XLA's product."""
-    if _few_rows(x, rows.dtype):
+    if _few_rows(x, rows.dtype, quantized is not None):
         return small_rows.small_rows_matmul(x.astype(jnp.float32), rows if quantized is None else quantized,
                                             rows.shape[0])
     return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
@@ -408,11 +415,14 @@ class DecoderLayer(nn.Module):
         """Whether this step folds the layer's norms and residual adds into the small-row kernel's
         calls (pallas_kernels.small_rows.fused_small_rows): a few rows on the CPU kernel, the
         projections' packed weights present, one device. Same values up to float rounding."""
-        if self.is_initializing() or self.config.tensor_parallel != 1 or not _few_rows(x, self.config.dtype):
+        if self.is_initializing() or self.config.tensor_parallel != 1:
             return False
         p = self.variables.get("params", {})
-        return all("weight" in p.get(a, {}).get(b, {}) for a, b in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
-                                                                     ("mlp", "gate_up_proj"), ("mlp", "down_proj")))
+        names = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+        weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
+        if any(w is None for w in weights):
+            return False
+        return _few_rows(x, self.config.dtype, all(small_rows.quantized_type(w) is not None for w in weights))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -436,11 +446,11 @@ class LlamaForCausalLM(nn.Module):
         rows = self.variables.get("params", {}).get("lm_head_rows")  # quantized (with_small_row_weights)
         if self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
-            if _few_rows(hidden, self.config.dtype):
+            if _few_rows(hidden, self.config.dtype, rows is not None):
                 logits = times_rows(hidden, self.embed_tokens.embedding, rows)
             else:
                 logits = self.embed_tokens.attend(hidden)
-        elif rows is not None and _few_rows(hidden, self.config.dtype):
+        elif rows is not None and _few_rows(hidden, self.config.dtype, True):
             logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
         else:
             logits = self.lm_head(hidden)
