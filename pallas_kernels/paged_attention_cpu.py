@@ -10,8 +10,9 @@ those a row can see. The file keeps the kernels' shape: the kernel, a validated 
 contract's plain-jnp oracle).
 
 The wrapper lowers to the kernel on the CPU only, for float32 queries over pages of float32,
-float16 or bfloat16 (each element widened to float32 as it is read), when the kernels are built (:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to
-``fallback`` (default: the reference). Results equal the reference's up to float rounding.
+float16 or bfloat16 (each element widened to float32 as it is read), when the kernels are built
+(:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to ``fallback`` (default: the
+reference). Results equal the reference's up to float rounding.
 """
 
 from __future__ import annotations

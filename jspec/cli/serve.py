@@ -23,6 +23,7 @@ import sys
 
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
 from jspec.config import KV_CACHE_DTYPES
+
 DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
 
 

@@ -181,7 +181,6 @@ class LLMEngine:
         # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
         # and the token buffer, checked against the memory available before anything is built
         cache_dtype = jnp.dtype(mc.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
-        self.kv_cache_dtype = cache_dtype
         kv = memory.kv_cache_bytes(mc, num_pages * ps, cache_dtype)
         own = getattr(drafter, "cache_config", None)  # drafters with pages of their own (of the same dtype)
         if own is not None:

@@ -222,15 +222,14 @@ class Linear(nn.Module):
         packed = self.get_variable("params", "weight") if self.has_variable("params", "weight") else None
         kernel_path = packed is not None and _few_rows(x, self.dtype, small_rows.quantized_type(packed) is not None)
         if kernel_path and (norm is not None or residual is not None):
-            w = self.get_variable("params", "weight")
-            y = small_rows.fused_small_rows(x, w, self.features, scale=None if norm is None else norm[0],
+            y = small_rows.fused_small_rows(x, packed, self.features, scale=None if norm is None else norm[0],
                                             eps=0.0 if norm is None else norm[1], residual=residual)
             residual = None
         else:
             if norm is not None:
                 x = small_rows.rms_norm_reference(x, norm[0], norm[1])
             if kernel_path:
-                y = small_rows.small_rows_matmul(x, self.get_variable("params", "weight"), self.features)
+                y = small_rows.small_rows_matmul(x, packed, self.features)
             else:
                 kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
                 y = jnp.dot(x, kernel)
