@@ -33,53 +33,6 @@ xla::ffi::Error attention_shapes(const xla::ffi::Buffer<xla::ffi::F32>& q, const
                                  const xla::ffi::Buffer<xla::ffi::S32>& block_tables, AttentionShapes& s,
                                  PageType& type);
 
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-// IEEE half -> float32, exact.
-inline float half_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  if (e == 0) {  // zero or subnormal: m 2^-24
-    const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
-    return bits_float(float_bits(f) | sign);
-  }
-  if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));  // inf, NaN
-  return bits_float(sign | ((e + 112) << 23) | (m << 13));
-}
-
-// float32 -> IEEE half, rounded to nearest even (as XLA's convert): overflow to inf, NaN stays NaN.
-inline uint16_t float_half(float f) {
-  uint32_t x = float_bits(f);
-  const uint32_t sign = (x >> 16) & 0x8000;
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00 | (x > 0x7f800000u ? 0x200 | (x >> 13) : 0));
-  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00);  // >= 65520: rounds to inf
-  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; adding 0.5 rounds at 2^-24, to even
-    const float a = bits_float(x) + 0.5f;
-    return static_cast<uint16_t>(sign | (float_bits(a) - 0x3f000000u));
-  }
-  x += 0xc8000fffu + ((x >> 13) & 1);  // rebias the exponent (-112 << 23) and round to even
-  return static_cast<uint16_t>(sign | (x >> 13));
-}
-
-// bfloat16 -> float32 (exact) and back, rounded to nearest even (NaN stays NaN).
-inline float bf16_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t float_bf16(float f) {
-  const uint32_t x = float_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
-}
-
 // 16 values of 16 bits as float32, one at a time (builds without the vector conversions).
 template <float (*Widen)(uint16_t)>
 inline v16 widen16(const uint16_t* p) {

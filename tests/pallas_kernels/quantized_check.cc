@@ -13,21 +13,6 @@
 
 namespace {
 
-uint16_t f16_bits(float f) {  // a float16 near f (normal range; the scales here are)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t sign = (u >> 16) & 0x8000, exp = ((u >> 23) & 0xff) - 127 + 15, man = (u >> 13) & 0x3ff;
-  return static_cast<uint16_t>(sign | (exp << 10) | man);
-}
-
-float f16_value(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  const uint32_t u = sign | ((exp - 15 + 127) << 23) | (man << 13);
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 int check(jspec_cpu::Layout layout, int64_t N, int64_t K) {
   const bool q41 = layout == jspec_cpu::Layout::kQ4_1;
   const int64_t RB = q41 ? jspec_cpu::kQ4_1Record : jspec_cpu::kQ8_0Record, NB = K / 32;
@@ -36,8 +21,8 @@ int check(jspec_cpu::Layout layout, int64_t N, int64_t K) {
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t b = 0; b < NB; ++b) {
       uint8_t* r = &rec[((n / 4 * NB + b) * 4 + n % 4) * RB];
-      const float d = f16_value(f16_bits((std::rand() % 2000 - 1000) * 3e-5f));
-      const float m = f16_value(f16_bits(-(std::rand() % 1000) * 2e-4f - 1e-3f));
+      const float d = jspec_cpu::half_float(jspec_cpu::float_half((std::rand() % 2000 - 1000) * 3e-5f));
+      const float m = jspec_cpu::half_float(jspec_cpu::float_half(-(std::rand() % 1000) * 2e-4f - 1e-3f));
       std::memcpy(r, &d, 4);
       if (q41) std::memcpy(r + 4, &m, 4);
       for (int64_t i = q41 ? 8 : 4; i < RB; ++i) r[i] = std::rand() & 0xff;
