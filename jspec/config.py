@@ -241,7 +241,17 @@ class SamplingParams:
 
 SPEC_METHODS = ("none", "ngram", "layerskip", "draft", "eagle", "hybrid")
 DRAFT_QUANTIZATIONS = ("auto", "q8_0", None)  # SpecConfig.draft_quantization
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # EngineConfig.kv_cache_dtype
+# EngineConfig.kv_cache_dtype (vLLM's names): "fp8" is "fp8_e4m3", OCP E4M3 (float8_e4m3fn)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_ARRAY_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_cache_array_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The pages' array dtype name (``"float8_e4m3fn"``) for an ``EngineConfig.kv_cache_dtype``
+    and the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return _KV_CACHE_ARRAY_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
 CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
 HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
@@ -393,8 +403,12 @@ class EngineConfig:
       half the bytes a step reads at long contexts; K and V are rounded to them as they are
       written and widened as they are read, so logits move by that rounding (llama.cpp's default
       cache is float16), while speculative output stays token-identical to plain decoding on the
-      same cache (both read the same rounded pages). A drafter's own pages (draft model, EAGLE
-      head) follow it.
+      same cache (both read the same rounded pages). ``"fp8"`` / ``"fp8_e4m3"`` (OCP E4M3, 3
+      mantissa bits) and ``"fp8_e5m2"`` (2) take a quarter of float32's memory: written rounded to
+      nearest even after saturating to the format's largest value (+-448, +-57344), with no scale
+      (vLLM's uncalibrated k_scale = v_scale = 1.0), read by the CPU kernels and the xla path (the
+      Triton kernel refuses them: ``"auto"`` attention on a GPU runs xla for them); logits move
+      more than with 16 bits. A drafter's own pages (draft model, EAGLE head) follow it.
     """
 
     max_num_seqs: int = 8

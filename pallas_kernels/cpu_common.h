@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -98,6 +99,43 @@ inline uint16_t float_bf16(float f) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
 }
+
+// 8-bit floats (OCP FP8, vLLM's "fp8" KV caches): E4M3 ("fn": bias 7, no infinities, S.1111.111
+// is NaN, largest 448) and E5M2 (bias 15, float16's top byte: infinities and NaNs as float16's).
+// -> float32, exact.
+inline float e4m3_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24, e = (b >> 3) & 0xf, m = b & 7;
+  if (e == 0xf && m == 7) return bits_float(sign | 0x7fc00000u);                      // NaN
+  if (e == 0) return bits_float(float_bits(static_cast<float>(m) * 0.001953125f) | sign);  // m 2^-9
+  return bits_float(sign | ((e + 120) << 23) | (m << 20));
+}
+
+inline float e5m2_float(uint8_t b) { return half_float(static_cast<uint16_t>(b) << 8); }
+
+// float32 -> E4M3 / E5M2, rounded to nearest even after saturating to the largest finite value
+// (+-448 / +-57344, as vLLM's fp8 KV writes do: a key past the range keeps its sign and becomes
+// the largest value, not a NaN or an infinity); NaN stays NaN. Equal to
+// ml_dtypes' cast of numpy.clip(x, -max, max).
+template <int kMant, int kBias>
+inline uint8_t float_fp8(float f, float max_finite, uint8_t nan) {
+  const uint8_t sign = static_cast<uint8_t>((float_bits(f) >> 24) & 0x80);
+  float a = std::fabs(f);
+  if (!(a == a)) return static_cast<uint8_t>(sign | nan);
+  a = std::min(a, max_finite);
+  const int min_exp = 1 - kBias;  // the smallest normal exponent
+  int e;
+  std::frexp(a, &e);  // a = f 2^e, f in [0.5, 1): a's exponent is e - 1
+  e = std::max(e - 1, min_exp);
+  // the value in units of its exponent's last mantissa bit, rounded to even (the default mode)
+  const int64_t q = static_cast<int64_t>(std::nearbyint(std::ldexp(a, kMant - e)));
+  // normal: ((e + bias) << mant) + q - 2^mant; subnormal (e = min_exp, q < 2^mant): q.
+  // q = 2^(mant + 1) carries into the next exponent by itself.
+  const int64_t bits = q < (int64_t{1} << kMant) ? q : ((static_cast<int64_t>(e + kBias) << kMant) + q - (int64_t{1} << kMant));
+  return static_cast<uint8_t>(sign | bits);
+}
+
+inline uint8_t float_e4m3(float f) { return float_fp8<3, 7>(f, 448.0f, 0x7f); }
+inline uint8_t float_e5m2(float f) { return float_fp8<2, 15>(f, 57344.0f, 0x7e); }
 
 inline float hsum(v16 v) {
 #if defined(__AVX512F__)

@@ -160,11 +160,8 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("decoder_layer: shapes or page dtypes disagree");
   }
   jspec_cpu::PageType type;
-  switch (k_pages.element_type()) {
-    case ffi::DataType::F32: type = jspec_cpu::PageType::kF32; break;
-    case ffi::DataType::F16: type = jspec_cpu::PageType::kF16; break;
-    case ffi::DataType::BF16: type = jspec_cpu::PageType::kBF16; break;
-    default: return ffi::Error::InvalidArgument("decoder_layer: pages must be float32, float16 or bfloat16");
+  if (!jspec_cpu::page_type(k_pages.element_type(), type)) {
+    return ffi::Error::InvalidArgument("decoder_layer: pages must be float32, float16, bfloat16 or 8-bit floats");
   }
   const int64_t T = M / B, Hq = QS / D;
   if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
@@ -217,24 +214,8 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       const int64_t at = ((h * P + page) * S + pos % S) * D;
       rotate(row + QS + h * D, k_rot);
       const float* v = row + QS + KS + h * D;
-      switch (type) {
-        case jspec_cpu::PageType::kF32:
-          std::memcpy(static_cast<float*>(kp) + at, k_rot, sizeof(float) * D);
-          std::memcpy(static_cast<float*>(vp) + at, v, sizeof(float) * D);
-          break;
-        case jspec_cpu::PageType::kF16:
-          for (int64_t d = 0; d < D; ++d) {
-            static_cast<uint16_t*>(kp)[at + d] = jspec_cpu::float_half(k_rot[d]);
-            static_cast<uint16_t*>(vp)[at + d] = jspec_cpu::float_half(v[d]);
-          }
-          break;
-        case jspec_cpu::PageType::kBF16:
-          for (int64_t d = 0; d < D; ++d) {
-            static_cast<uint16_t*>(kp)[at + d] = jspec_cpu::float_bf16(k_rot[d]);
-            static_cast<uint16_t*>(vp)[at + d] = jspec_cpu::float_bf16(v[d]);
-          }
-          break;
-      }
+      jspec_cpu::write_page_row(type, kp, at, k_rot, D);
+      jspec_cpu::write_page_row(type, vp, at, v, D);
     }
   }});
   tail_phases(phases, plan, b, xp, o, gain.typed_data(), gu, dn, out->typed_data(), M, QS, H, I, eps);

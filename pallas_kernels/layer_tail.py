@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_kernels import available
-from pallas_kernels.paged_verify_attention import (FLOAT_DTYPES, check_paged_verify_args,
+from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference, write_kv)
 from pallas_kernels.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
                                       quantized_type)
@@ -73,11 +73,11 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
 
 def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
     """Whether the kernel can run these operands (arrays or ``jax.ShapeDtypeStruct`` s): float32
-    (the pages float32, float16 or bfloat16), head_dim <= 256, weights packed without padding (each
+    (the pages float32, float16, bfloat16 or 8-bit floats), head_dim <= 256, weights packed without padding (each
     product's K a multiple of 16, N of 4), kernels built."""
     hidden, (b, t, hq, d) = x.shape[-1], q.shape
     inter2 = gate_up_w.shape[0] * PACK_ROWS
-    return (q.dtype == jnp.float32 and k_pages.dtype in FLOAT_DTYPES and d <= 256 and inter2 % 2 == 0
+    return (q.dtype == jnp.float32 and k_pages.dtype in PAGE_DTYPES and d <= 256 and inter2 % 2 == 0
             and packed_dims(o_w) == (hidden, hq * d) and packed_dims(gate_up_w) == (inter2, hidden)
             and packed_dims(down_w) == (hidden, inter2 // 2) and available())
 

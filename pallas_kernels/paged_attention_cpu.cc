@@ -1,7 +1,7 @@
 // Paged verification attention for XLA's CPU backend, as an XLA FFI custom call.
 //
-// The contract of pallas_kernels/paged_verify_attention.py, float32 queries over float32, float16
-// or bfloat16 pages (read as float32: paged_attention_cpu.h):
+// The contract of pallas_kernels/paged_verify_attention.py, float32 queries over float32, float16,
+// bfloat16 or 8-bit float (E4M3, E5M2) pages (read as float32: paged_attention_cpu.h):
 //   q [B, T, Hq, D], k_pages / v_pages [KVH, P, S, D], block_tables int32 [B, W],
 //   kv_lens int32 [B], q_lens int32 [B]  ->  out [B, T, Hq, D]
 // Sequence b has q_lens[b] new query rows whose K/V are already in the pages; row t sits at
@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -54,6 +55,7 @@ using jspec_cpu::store;
 using jspec_cpu::v16;
 using jspec_cpu::i16v;
 using jspec_cpu::vexp;
+using jspec_cpu::F32Pages;
 
 namespace {
 
@@ -348,21 +350,39 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
       }
     }
 #else
-    for (int64_t r = std::max<int64_t>(0, p0 - first_pos) * G; r < R; ++r) {
-      const float* qr = qrow(r);
-      v16 acc[kLanes];
-      for (auto& a : acc) a = v16{};
-      int64_t c = 0;
-      for (; c + kLanes <= D; c += kLanes) {
-        const v16 qv = load(qr + c);
-        for (int j = 0; j < kLanes; ++j) acc[j] += qv * Pg::v16s(keys[j] + c);
+    auto score_rows = [&](auto pages, const auto* const* ks) {  // ks: the block's key rows, of pages' type
+      using P = decltype(pages);
+      for (int64_t r = std::max<int64_t>(0, p0 - first_pos) * G; r < R; ++r) {
+        const float* qr = qrow(r);
+        v16 acc[kLanes];
+        for (auto& a : acc) a = v16{};
+        int64_t c = 0;
+        for (; c + kLanes <= D; c += kLanes) {
+          const v16 qv = load(qr + c);
+          for (int j = 0; j < kLanes; ++j) acc[j] += qv * P::v16s(ks[j] + c);
+        }
+        v16 dots = reduce16(acc);
+        for (; c < D; ++c)
+          for (int j = 0; j < kLanes; ++j) dots[j] = std::fma(qr[c], P::one(ks[j] + c), dots[j]);
+        dots *= splat(scale);
+        const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
+        std::memcpy(scores.data() + r * n + (p0 - k0), &dots, sizeof(float) * seen);
       }
-      v16 dots = reduce16(acc);
-      for (; c < D; ++c)
-        for (int j = 0; j < kLanes; ++j) dots[j] = std::fma(qr[c], Pg::one(keys[j] + c), dots[j]);
-      dots *= splat(scale);
-      const int64_t seen = std::min(nb, first_pos + r / G + 1 - p0);  // keys of the block the row sees
-      std::memcpy(scores.data() + r * n + (p0 - k0), &dots, sizeof(float) * seen);
+    };
+    if constexpr (std::is_same_v<Pg, F32Pages>) {
+      score_rows(F32Pages{}, keys);
+    } else if (R - std::max<int64_t>(0, p0 - first_pos) * G <= 1) {
+      score_rows(Pg{}, keys);
+    } else {  // several rows: the block's keys widened once, into L1, not once per row (the same values)
+      alignas(64) float widened[kLanes][256];  // D <= 256
+      const float* wk[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        int64_t c = 0;
+        for (; c + kLanes <= D; c += kLanes) store(widened[j] + c, Pg::v16s(keys[j] + c));
+        for (; c < D; ++c) widened[j][c] = Pg::one(keys[j] + c);
+        wk[j] = widened[j];
+      }
+      score_rows(F32Pages{}, wk);
     }
 #endif
   }
@@ -525,6 +545,14 @@ void AttentionPlan::run(int64_t u) {
       unit<BF16Pages>(s, q, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), tables + b * s.W, b,
                       kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
       break;
+    case PageType::kE4M3:
+      unit<E4M3Pages>(s, q, static_cast<const uint8_t*>(kp), static_cast<const uint8_t*>(vp), tables + b * s.W, b,
+                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
+      break;
+    case PageType::kE5M2:
+      unit<E5M2Pages>(s, q, static_cast<const uint8_t*>(kp), static_cast<const uint8_t*>(vp), tables + b * s.W, b,
+                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
+      break;
   }
 }
 
@@ -562,10 +590,9 @@ ffi::Error attention_shapes(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer
   if (v_pages.element_type() != et || v_pages.element_count() != k_pages.element_count()) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: k_pages and v_pages differ in dtype or size");
   }
-  if (et == ffi::DataType::F32) type = PageType::kF32;
-  else if (et == ffi::DataType::F16) type = PageType::kF16;
-  else if (et == ffi::DataType::BF16) type = PageType::kBF16;
-  else return ffi::Error::InvalidArgument("paged_attention_cpu: pages must be float32, float16 or bfloat16");
+  if (!page_type(et, type)) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: pages must be float32, float16, bfloat16 or 8-bit floats");
+  }
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: expected q [B, T, Hq, D], pages [KVH, P, S, D], "
@@ -603,7 +630,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()          // k_pages [KVH, P, S, D]: f32, f16 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // k_pages [KVH, P, S, D]: f32, f16, bf16, f8
                                   .Arg<ffi::AnyBuffer>()          // v_pages [KVH, P, S, D]: k_pages' dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]

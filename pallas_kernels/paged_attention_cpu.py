@@ -10,7 +10,7 @@ those a row can see. The file keeps the kernels' shape: the kernel, a validated 
 contract's plain-jnp oracle).
 
 The wrapper lowers to the kernel on the CPU only, for float32 queries over pages of float32,
-float16 or bfloat16 (each element widened to float32 as it is read), when the kernels are built
+float16, bfloat16 or 8-bit floats (each element widened to float32 as it is read), when the kernels are built
 (:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to ``fallback`` (default: the
 reference). Results equal the reference's up to float rounding.
 """
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_kernels import available
-from pallas_kernels.paged_verify_attention import (FLOAT_DTYPES, check_paged_verify_args,
+from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference)
 
 TARGET = "jspec_paged_attention"
@@ -36,9 +36,9 @@ def _kernel(q, k_pages, v_pages, block_tables, kv_lens, q_lens):
 
 
 def applies(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether these operands can run on the kernel (float32 queries, pages of float32, float16
-    or bfloat16, head_dim <= 256, kernels built)."""
-    return (q.dtype == jnp.float32 and k_pages.dtype in FLOAT_DTYPES and q.shape[-1] <= 256
+    """Whether these operands can run on the kernel (float32 queries, pages of float32, float16,
+    bfloat16 or 8-bit floats, head_dim <= 256, kernels built)."""
+    return (q.dtype == jnp.float32 and k_pages.dtype in PAGE_DTYPES and q.shape[-1] <= 256
             and available())
 
 

@@ -39,10 +39,16 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tuning
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# 8-bit float pages (OCP E4M3 and E5M2, vLLM's "fp8" KV caches): the reference, the xla path and
+# the CPU kernels read them; the Triton kernel does not (paged_verify_attention).
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+PAGE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
-def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None) -> None:
-    """Raise ``ValueError`` naming the offending argument when shapes or dtypes are wrong."""
+def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *,
+                            page_dtypes=PAGE_DTYPES) -> None:
+    """Raise ``ValueError`` naming the offending argument when shapes or dtypes are wrong
+    (``page_dtypes``: the pages' dtypes the caller reads)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -55,11 +61,9 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
         raise ValueError(f"k_pages head_dim {dk} must equal q head_dim {d}")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype not in FLOAT_DTYPES:
-        # 1-byte caches are refused: besides the fp8 format split between vendors, the Triton
-        # lowering switches to 64-bit offsets only above 2^32 bytes, so a 1-byte cache of 2-4 GiB
-        # (>= 2^31 elements) would overflow 32-bit element offsets.
-        raise ValueError(f"k_pages must be float32, bfloat16 or float16, got {k_pages.dtype}")
+    if k_pages.dtype not in page_dtypes:
+        names = ", ".join(str(d) for d in page_dtypes)
+        raise ValueError(f"k_pages must be one of {names}, got {k_pages.dtype}")
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
     if hq % kvh:
@@ -117,7 +121,11 @@ def write_kv(
     page = jnp.take_along_axis(block_tables, slot, axis=1, mode="clip")
     keep = (jnp.arange(t)[None, :] < q_lens[:, None]) & (slot < block_tables.shape[1])
     page = jnp.where(keep, page, num_pages)  # out of range: dropped
-    vals = jnp.transpose(new, (2, 0, 1, 3)).astype(pages.dtype)  # [KVH, B, T, D]
+    vals = jnp.transpose(new, (2, 0, 1, 3))  # [KVH, B, T, D]
+    if pages.dtype in FP8_DTYPES:  # saturated, as vLLM's fp8 writes are (E4M3 has no infinity)
+        big = float(jnp.finfo(pages.dtype).max)
+        vals = jnp.clip(vals, -big, big)
+    vals = vals.astype(pages.dtype)
     return pages.at[:, page, pos % page_size].set(vals, mode="drop")
 
 
@@ -144,6 +152,8 @@ def paged_verify_attention_reference(
 
     k = k_pages[:, block_tables].reshape(kvh, b, n, d)  # [KVH, B, N, D]
     v = v_pages[:, block_tables].reshape(kvh, b, n, d)
+    if k.dtype in FP8_DTYPES:  # 8-bit floats take part in no implicit promotion
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     # Slots past kv_len hold stale data (rolled-back drafts, other sequences' pages, anything):
     # zero them so even a NaN there cannot leak through 0 * NaN.
     live = (jnp.arange(n)[None, :] < kv_lens[:, None])[None, :, :, None]  # [1, B, N, 1]
@@ -384,7 +394,10 @@ def paged_verify_attention(
                     the kernel, more write partials merged by XLA afterwards
         num_warps, num_stages   Triton launch parameters
     """
-    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    # 1-byte pages are refused here: besides the fp8 format split between vendors (OCP E4M3 on
+    # NVIDIA, E4M3FNUZ on gfx942), the Triton lowering switches to 64-bit offsets only above 2^32
+    # bytes, so a 1-byte cache of 2-4 GiB (>= 2^31 elements) would overflow 32-bit element offsets.
+    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, page_dtypes=FLOAT_DTYPES)
     return _paged_verify_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, sm_scale=sm_scale,
         soft_cap=soft_cap, interpret=interpret, block_q=block_q, block_k=block_k,

@@ -37,6 +37,26 @@ def test_equals_oracle_and_dense(kv_lens, q_lens, t, kvh, hq, page_size, block_k
         assert (got[b, ql:] == 0).all(), "rows beyond q_len must be zero"
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_narrow_pages_are_read_as_float32(cache_dtype):
+    """Pages of 16 or 8 bits (EngineConfig.kv_cache_dtype): the loop widens each block it reads,
+    so the result is its own on float32 pages of the same values within float32 rounding, and
+    the NaN-poisoned pages past each sequence stay out."""
+    rng = np.random.default_rng(11)
+    kv_lens, q_lens = [5, 40, 300], [5, 2, 3]
+    q, k_pages, v_pages, tables, _, _ = _paged_setup(rng, kv_lens, q_lens, 3, 9, 64, 16, 5)
+    tables = jnp.pad(tables, ((0, 0), (0, 5)), constant_values=k_pages.shape[1] - 1)
+    narrow = k_pages.astype(cache_dtype), v_pages.astype(cache_dtype)
+    rest = (tables, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32))
+    f = jax.jit(paged_attention_xla)
+    got = np.asarray(f(jnp.asarray(q), *narrow, *rest))
+    wide = np.asarray(f(jnp.asarray(q), narrow[0].astype(jnp.float32), narrow[1].astype(jnp.float32), *rest))
+    assert np.isfinite(got).all() and got.dtype == np.float32
+    np.testing.assert_allclose(got, wide, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(paged_verify_attention_reference(jnp.asarray(q), *narrow, *rest)),
+                               rtol=2e-5, atol=2e-5)
+
+
 def test_loop_trips_follow_the_live_context():
     """Keys past max(kv_lens) are never read: poisoning every page the loop should not reach
     (and the table slots past the live pages) leaves the result unchanged."""

@@ -536,20 +536,22 @@ def test_generate_bursts_are_short_with_dynamic_k(target):
     assert engine_config(target, ids, SamplingParams(max_tokens=5), 4, dynamic_k=True).max_burst_steps == 6
 
 
-def test_half_kv_pages_keep_speculation_lossless(target, drafters, kv_cache_dtype="float16"):
-    """With the page pools in 16 bits (EngineConfig.kv_cache_dtype; bfloat16 takes the same path,
-    its conversions tested with the kernels) every drafter's greedy tokens
+@pytest.mark.parametrize("kv_cache_dtype, array_dtype", [("float16", jnp.float16), ("fp8", jnp.float8_e4m3fn)])
+def test_narrow_kv_pages_keep_speculation_lossless(target, drafters, kv_cache_dtype, array_dtype):
+    """With the page pools in 16 or 8 bits (EngineConfig.kv_cache_dtype; bfloat16 and fp8_e5m2
+    take the same paths, their conversions tested with the kernels) every drafter's greedy tokens
     equal plain decoding's on the same pages (both read the same rounded K/V), the pools (the
-    target's and a drafter's own) hold that dtype, and they take half the bytes of float32 pages."""
+    target's and a drafter's own) hold that dtype, and they take half (a quarter of) the bytes of
+    float32 pages."""
     prompts = prompts_with_repeats(4, seed=7)
     requests = [(p, dataclasses.replace(GREEDY, max_tokens=10 + 2 * i), [0, 1, 3, 4][i]) for i, p in enumerate(prompts)]
     config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 5 + 32, max_model_len=128, page_size=8,
                           max_burst_steps=4, kv_cache_dtype=kv_cache_dtype)
     plain, base = run(target, requests, config)
     cache = plain.runner.state.cache
-    assert all(p.dtype == jnp.dtype(kv_cache_dtype) for p in cache.k_pages + cache.v_pages)
+    assert all(p.dtype == array_dtype for p in cache.k_pages + cache.v_pages)
     full = run(target, requests[:1], dataclasses.replace(config, kv_cache_dtype="auto"))[0].runner.state.cache
-    assert full.k_pages[0].dtype == jnp.float32 and 2 * cache.nbytes() == full.nbytes()
+    assert full.k_pages[0].dtype == jnp.float32 and 4 // jnp.dtype(array_dtype).itemsize * cache.nbytes() == full.nbytes()
     for name in ("ngram-3", "draft-3", "eagle-3"):
         d, dp = drafters[name]
         engine, reqs = run(target, requests, config, d, dp)
@@ -557,9 +559,16 @@ def test_half_kv_pages_keep_speculation_lossless(target, drafters, kv_cache_dtyp
             assert reqs[i].output_ids == base[i].output_ids, (kv_cache_dtype, name, i)
         own = engine.runner.state.drafter
         if name != "ngram-3":  # a draft model's and an EAGLE head's pages follow the target's
-            assert own.k_pages[0].dtype == jnp.dtype(kv_cache_dtype)
+            assert own.k_pages[0].dtype == array_dtype
 
 
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(jspec.ConfigError, match="kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp8_e4m3fnuz")
+
+
+def test_fp8_pages_refuse_the_triton_kernel(target):
+    """The Triton kernel does not read 8-bit pages: asked for by name it is a ConfigError before
+    anything is built ("auto" on a GPU runs the xla path for them instead)."""
+    with pytest.raises(jspec.ConfigError, match="does not read fp8 pages"):
+        LLMEngine(target, EngineConfig(attention="interpret", kv_cache_dtype="fp8_e5m2"))

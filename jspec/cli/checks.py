@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jspec.config import CHECKPOINT_METHODS, HEAD_METHODS, CacheConfig, ModelConfig, SamplingParams, SpecConfig
+from jspec.config import (CHECKPOINT_METHODS, HEAD_METHODS, CacheConfig, ModelConfig, SamplingParams, SpecConfig,
+                          kv_cache_array_dtype)
 from jspec.errors import ConfigError, PromptError
 
 DEFAULT_K = 4
@@ -126,7 +127,7 @@ def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: Samplin
     slots = sum(run_tokens(len(p.encode("utf-8")), sampling.max_tokens, k, cache_config.page_size, context, chat)
                 for p in prompts)
     weights, staging = load_bytes(config)
-    kv = memory.kv_cache_bytes(config, slots, None if kv_cache_dtype == "auto" else kv_cache_dtype)
+    kv = memory.kv_cache_bytes(config, slots, kv_cache_array_dtype(kv_cache_dtype, config.dtype))
     what = f"{config.num_params():,} parameters ({config.dtype}) and a KV cache of {slots:,} tokens"
     device = jax.local_devices()[0]
     if device.platform == "cpu":

@@ -56,7 +56,7 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--kv-cache-tokens", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
-                        "halve the cache and round K/V (default auto)")
+                        "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -44,7 +44,7 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
                    help="KV page pool in tokens (default: every slot at --max-model-len)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
-                        "halve the cache and round K/V (default auto)")
+                        "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
     s.add_argument("--max-burst-steps", type=int, default=8,

@@ -33,7 +33,7 @@ import numpy as np
 from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache import PageAllocator
-from jspec.config import EngineConfig, SamplingParams, SpecConfig
+from jspec.config import EngineConfig, SamplingParams, SpecConfig, kv_cache_array_dtype
 from jspec.engine import sharded
 from jspec.engine.cost import AcceptancePrior, CostModel
 from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
@@ -120,6 +120,11 @@ class LLMEngine:
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
         attention = attention_lib.resolve(config.attention)
+        if config.kv_cache_dtype.startswith("fp8") and attention in ("pallas", "interpret"):
+            if config.attention != "auto":
+                raise ConfigError(f"attention {attention!r} (the Triton kernel) does not read fp8 pages "
+                                  f"(kv_cache_dtype {config.kv_cache_dtype!r}); use 'xla', or 16-bit pages")
+            attention = "xla"  # the xla path reads them on a GPU
         tp = config.tensor_parallel_size
         if tp > 1:  # check the heads before anything is loaded or placed
             tp_config(model.config, tp)
@@ -180,7 +185,7 @@ class LLMEngine:
                                    step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None)
         # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
         # and the token buffer, checked against the memory available before anything is built
-        cache_dtype = jnp.dtype(mc.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+        cache_dtype = jnp.dtype(kv_cache_array_dtype(config.kv_cache_dtype, mc.dtype))
         kv = memory.kv_cache_bytes(mc, num_pages * ps, cache_dtype)
         own = getattr(drafter, "cache_config", None)  # drafters with pages of their own (of the same dtype)
         if own is not None:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from jspec.config import ModelConfig
 from jspec.errors import InsufficientMemoryError
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def itemsize(dtype: Any) -> int:

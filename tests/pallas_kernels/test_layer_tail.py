@@ -221,12 +221,23 @@ def test_whole_layer_lowers_on_the_cpu_only_and_rejects_bad_shapes():
         decoder_layer(x, pack_rows(jnp.ones((20, 32), jnp.float32)), in_gain, cos, sin, *rest, eps=EPS)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
-def test_whole_layer_writes_and_reads_half_pages(cache_dtype):
-    """Pages of float16 / bfloat16 (a KV cache of half the bytes): the layer writes each k and v
-    as the float32 layer computes it, rounded to nearest even as XLA's convert rounds it (the same
-    bits as numpy's cast, across subnormals and overflow to inf: the QKV rows scaled from 1e-9 to
-    1e6), every other slot untouched; the attention reads the pages widened, so the output
+def _narrowed(x: np.ndarray, cache_dtype) -> np.ndarray:
+    """float32 values as pages of ``cache_dtype`` hold them: numpy's cast (round to nearest even),
+    the 8-bit formats saturated first (pallas_kernels.paged_verify_attention.write_kv)."""
+    if jnp.dtype(cache_dtype).itemsize == 1:
+        big = float(jnp.finfo(cache_dtype).max)
+        x = np.clip(x, -big, big)
+    with np.errstate(over="ignore"):  # float16's overflow to inf is the point
+        return x.astype(cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_whole_layer_writes_and_reads_narrow_pages(cache_dtype):
+    """Pages of float16 / bfloat16 / 8-bit floats (a KV cache of half or a quarter of the bytes):
+    the layer writes each k and v as the float32 layer computes it, rounded to nearest even as
+    XLA's convert rounds it (the same bits as numpy's cast, across subnormals and overflow to inf,
+    or, for the 8-bit formats, saturation to their largest value: the QKV rows scaled from 1e-9
+    to 1e6), every other slot untouched; the attention reads the pages widened, so the output
     is the reference's on the same pages within float32 rounding."""
     case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(600, 257), q_lens=(5, 3), kv_heads=3)
     args32, ref32 = _layer_operands(case, 576, 1536, seed=21)
@@ -243,7 +254,7 @@ def test_whole_layer_writes_and_reads_half_pages(cache_dtype):
         got, before = np.asarray(got), np.asarray(args[i])
         written = np.asarray(ref_k if i == 5 else ref_v) != np.asarray(ref[i])
         assert written.any()
-        np.testing.assert_array_equal(got[written], np.asarray(full)[written].astype(cache_dtype))
+        np.testing.assert_array_equal(got[written], _narrowed(np.asarray(full)[written], cache_dtype))
         np.testing.assert_array_equal(got[~written], before[~written])
     # extreme magnitudes: each of the QKV weight's rows scaled by 10^u, u uniform in [-9, 6]
     x, qkv, *rest = args32
@@ -255,8 +266,9 @@ def test_whole_layer_writes_and_reads_half_pages(cache_dtype):
     for got, full in ((k, k32), (v, v32)):
         got, full = np.asarray(got), np.asarray(full)
         live = ~np.isnan(full)
-        with np.errstate(over="ignore"):  # float16's overflow to inf is the point
-            np.testing.assert_array_equal(got[live], full[live].astype(cache_dtype))
-    if cache_dtype == jnp.float16:
-        kv = np.concatenate([np.asarray(k32)[live], np.asarray(v32)[live]])
-        assert (np.abs(kv) > 65520).any() and ((np.abs(kv) < 6.1e-5) & (kv != 0)).any()  # inf and subnormals seen
+        np.testing.assert_array_equal(got[live].view(np.uint8), _narrowed(full[live], cache_dtype).view(np.uint8))
+    kv = np.concatenate([np.asarray(k32)[live], np.asarray(v32)[live]])
+    info = jnp.finfo(cache_dtype)
+    if cache_dtype != jnp.bfloat16:  # (bfloat16 has float32's range) values past the largest one
+        # (inf, or saturated) and below the smallest normal (subnormals) were written
+        assert (np.abs(kv) > float(info.max)).any() and ((np.abs(kv) < float(info.smallest_normal)) & (kv != 0)).any()

@@ -50,13 +50,13 @@ HALF_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: f"t{c.t}-d{c.head_dim}-kv{max(c.kv_lens)}")
-def test_half_pages_are_read_as_float32(case, cache_dtype):
-    """float32 queries over float16 / bfloat16 pages (a KV cache of half the bytes): the kernel
-    lowers for them, and each element is widened to float32 as it is read, so the result is the
-    float32 kernel's on the widened pages (the same bits) and the reference's within float32
-    rounding; NaN pages past each sequence stay out."""
+def test_narrow_pages_are_read_as_float32(case, cache_dtype):
+    """float32 queries over float16 / bfloat16 / 8-bit float pages (a KV cache of half or a quarter
+    of the bytes): the kernel lowers for them, and each element is widened to float32 as it is
+    read, so the result is the float32 kernel's on the widened pages (the same bits) and the
+    reference's within float32 rounding; NaN pages past each sequence stay out."""
     case = dataclasses.replace(case, cache_dtype=cache_dtype)
     kernel_args, ref_args = make_inputs(case, seed=case.t + max(case.kv_lens))
     assert kernel_args[1].dtype == cache_dtype
@@ -67,6 +67,23 @@ def test_half_pages_are_read_as_float32(case, cache_dtype):
     widened = (kernel_args[0], kernel_args[1].astype(jnp.float32), kernel_args[2].astype(jnp.float32)) + kernel_args[3:]
     assert (out == np.asarray(f(*widened))).all()
     np.testing.assert_allclose(out, np.asarray(paged_attention_cpu_reference(*ref_args)), **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [64, 8])  # vector loads; the scalar tails
+def test_every_8_bit_code_widens_as_ml_dtypes_does(cache_dtype, head_dim):
+    """All 256 codes of an 8-bit format in the value row of a lone key (its weight is exactly 1,
+    so the output is the row widened): the same float32 as ml_dtypes' cast, subnormals, the
+    largest values and NaN codes included."""
+    codes = np.arange(256, dtype=np.uint8).view(jnp.dtype(cache_dtype))
+    heads = 256 // head_dim
+    v = jnp.zeros((heads, 2, 4, head_dim), cache_dtype).at[:, 1, 0, :].set(codes.reshape(heads, head_dim))
+    q = jnp.ones((1, 1, heads, head_dim), jnp.float32)
+    out = jax.jit(paged_attention_cpu)(q, jnp.zeros_like(v), v, jnp.array([[1]], jnp.int32),
+                                       jnp.array([1], jnp.int32), jnp.array([1], jnp.int32))
+    want = codes.astype(np.float32)
+    assert np.isnan(want).any() and (want == 0).sum() == 2
+    np.testing.assert_array_equal(np.asarray(out).reshape(-1), want)  # (-0 comes out +0: 0 + 1 x -0)
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
