@@ -532,27 +532,18 @@ void AttentionPlan::run(int64_t u) {
   const int64_t kvh = (u - sq.first_unit) / sq.chunks, c = (u - sq.first_unit) % sq.chunks;
   const int64_t k0 = c * kChunkKeys, k1 = std::min(sq.keys, (c + 1) * kChunkKeys);
   float* part = part_of(b, kvh, c);
+  auto run_as = [&](auto pages) {  // the unit on pages of decltype(pages)'s elements
+    using Pg = decltype(pages);
+    using E = typename Pg::T;
+    unit<Pg>(s, q, static_cast<const E*>(kp), static_cast<const E*>(vp), tables + b * s.W, b, kvh, sq.rows,
+             sq.first_pos, k0, k1, scores, part);
+  };
   switch (type) {
-    case PageType::kF32:
-      unit<F32Pages>(s, q, static_cast<const float*>(kp), static_cast<const float*>(vp), tables + b * s.W, b, kvh,
-                     sq.rows, sq.first_pos, k0, k1, scores, part);
-      break;
-    case PageType::kF16:
-      unit<F16Pages>(s, q, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), tables + b * s.W, b,
-                     kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
-      break;
-    case PageType::kBF16:
-      unit<BF16Pages>(s, q, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), tables + b * s.W, b,
-                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
-      break;
-    case PageType::kE4M3:
-      unit<E4M3Pages>(s, q, static_cast<const uint8_t*>(kp), static_cast<const uint8_t*>(vp), tables + b * s.W, b,
-                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
-      break;
-    case PageType::kE5M2:
-      unit<E5M2Pages>(s, q, static_cast<const uint8_t*>(kp), static_cast<const uint8_t*>(vp), tables + b * s.W, b,
-                      kvh, sq.rows, sq.first_pos, k0, k1, scores, part);
-      break;
+    case PageType::kF32: run_as(F32Pages{}); break;
+    case PageType::kF16: run_as(F16Pages{}); break;
+    case PageType::kBF16: run_as(BF16Pages{}); break;
+    case PageType::kE4M3: run_as(E4M3Pages{}); break;
+    case PageType::kE5M2: run_as(E5M2Pages{}); break;
   }
 }
 

@@ -161,12 +161,13 @@ def test_a_draft_vocabularys_q8_0_head_is_the_targets_own_blocks(smollm2):
     np.testing.assert_array_equal(np.asarray(engine.runner.drafter_params["lm_head_rows"]), ours)
 
 
-def test_half_kv_pages_on_the_real_model(smollm2, hf_smollm2):
-    """K/V pages in 16 bits (EngineConfig.kv_cache_dtype): the logits move by the rounding of K and
-    V (float16, llama.cpp's default cache: < 0.05 of logits spanning ~40; bfloat16 < 0.25) on the
+def test_narrow_kv_pages_on_the_real_model(smollm2, hf_smollm2):
+    """K/V pages in 16 or 8 bits (EngineConfig.kv_cache_dtype): the logits move by the rounding
+    of K and V (float16, llama.cpp's default cache: < 0.05 of logits spanning ~40; bfloat16 <
+    0.25; fp8 E4M3, 3 mantissa bits and no scale: < 4, measured 1.3-2.7 on three prompts) on the
     reference attention and the CPU kernel alike, every position's argmax as transformers' on
-    float16; and greedy n-gram speculation stays token-identical to plain decoding on the same
-    pages."""
+    float16 (>= 90% on the others); and greedy n-gram speculation stays token-identical to plain
+    decoding on the same pages."""
     from jspec.cache import init_cache
     from jspec.models.llama import forward
 
@@ -176,15 +177,15 @@ def test_half_kv_pages_on_the_real_model(smollm2, hf_smollm2):
         want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
     pages = -(-len(ids) // 16)
     tables = jnp.arange(pages, dtype=jnp.int32)[None]
-    for dtype, bound in ((jnp.float16, 0.05), (jnp.bfloat16, 0.25)):
+    for dtype, bound in ((jnp.float16, 0.05), (jnp.bfloat16, 0.25), (jnp.float8_e4m3fn, 4.0)):
         for attention in ("reference", "auto"):
             cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 1, 16, dtype)
             got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention=attention).logits)(
                 smollm2.params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
             err = np.abs(np.asarray(got[0]) - want).max()
             assert 1e-4 < err < bound, (dtype, attention, err)  # moved, and by little
-            if dtype == jnp.float16:
-                assert (np.asarray(got[0]).argmax(-1) == want.argmax(-1)).all()
+            agree = (np.asarray(got[0]).argmax(-1) == want.argmax(-1)).mean()
+            assert agree == 1.0 if dtype == jnp.float16 else agree >= 0.9, (dtype, attention, agree)
     sp = jspec.SamplingParams(max_tokens=32)
     outs = []
     for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
