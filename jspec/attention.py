@@ -10,10 +10,10 @@ Implementations:
     xla        plain jnp, online softmax over blocks of pages in a loop that stops at the longest
                live sequence: cost follows the live context, not the table width (the CPU path)
     cpu        a C++ kernel through XLA's FFI that reads the pages in place
-               (pallas_kernels.paged_attention_cpu; float32 queries over float32, float16 or
-               bfloat16 pages, built at first use) for up to CPU_KERNEL_MAX_ROWS query rows;
+               (pallas_kernels.paged_attention_cpu; float32 queries over float32, float16,
+               bfloat16 or 8-bit float pages, built at first use) for up to CPU_KERNEL_MAX_ROWS query rows;
                xla elsewhere (long prefill chunks, other dtypes, no compiler)
-    pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm)
+    pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm); 16- and 32-bit pages
     interpret  the same Pallas kernel in interpret mode (CPU tests)
     auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
 """
@@ -111,7 +111,7 @@ def paged_attention_xla(
 
 def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None):
     """The cpu implementation: the C++ kernel for up to :data:`CPU_KERNEL_MAX_ROWS` query rows
-    per sequence (float32 queries; float32, float16 or bfloat16 pages), the xla path otherwise."""
+    per sequence (float32 queries; float32, float16, bfloat16 or 8-bit float pages), the xla path otherwise."""
     if q.shape[1] > CPU_KERNEL_MAX_ROWS:
         return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
     return paged_attention_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, fallback=paged_attention_xla)
