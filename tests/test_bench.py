@@ -225,5 +225,5 @@ def test_bench_on_float16_kv_pages(model, monkeypatch):
     report.check()
     assert report.mismatches == [] and report.meta["kv_cache_dtype"] == "float16"
     assert len(engines) == 2 and all(e.runner.state.cache.k_pages[0].dtype == jnp.float16 for e in engines)
-    code, out, err = _cli("bench", "--model", "unused", "--kv-cache-dtype", "fp8")
+    code, out, err = _cli("bench", "--model", "unused", "--kv-cache-dtype", "fp4")
     assert code == 2 and out == "" and "--kv-cache-dtype" in err

@@ -152,7 +152,7 @@ def server(_process):
     (["--port", "99999"], "--port"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--api-key", ""], "--api-key"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
 ])
 def test_bad_options_exit_2_before_loading(argv, message, capsys):
     from jspec.cli import main
