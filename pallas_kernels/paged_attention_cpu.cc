@@ -122,11 +122,7 @@ void value_block(const float* p, int64_t n, int64_t rows, int64_t from, int64_t 
       for (int i = 0; i < NV; ++i) __builtin_prefetch(ahead + i * kLanes);
     }
     v16 vv[NV];
-    if constexpr (NV == 4) {
-      jspec_cpu::widen64<Pg>(v, vv);
-    } else {
-      for (int i = 0; i < NV; ++i) vv[i] = Pg::v16s(v + i * kLanes);
-    }
+    for (int i = 0; i < NV; ++i) vv[i] = Pg::v16s(v + i * kLanes);
     for (int r = 0; r < kRowGroup; ++r) {
       if (r >= rows) break;
       const v16 pr = splat(p[r * n + pos - from]);
@@ -382,11 +378,6 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
       const float* wk[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         int64_t c = 0;
-        for (; c + 4 * kLanes <= D; c += 4 * kLanes) {
-          v16 w[4];
-          jspec_cpu::widen64<Pg>(keys[j] + c, w);
-          for (int i = 0; i < 4; ++i) store(widened[j] + c + i * kLanes, w[i]);
-        }
         for (; c + kLanes <= D; c += kLanes) store(widened[j] + c, Pg::v16s(keys[j] + c));
         for (; c < D; ++c) widened[j][c] = Pg::one(keys[j] + c);
         wk[j] = widened[j];

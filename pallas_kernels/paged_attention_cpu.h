@@ -153,46 +153,6 @@ struct Fp8Pages {
 using E4M3Pages = Fp8Pages<true>;
 using E5M2Pages = Fp8Pages<false>;
 
-// 64 values of a page row as 4 float32 vectors (the same values as 4 v16s). E4M3 on a CPU with
-// AVX512-VBMI: a table lookup of each code's float16 bits, 64 codes per byte permute (two: the
-// low and the high bytes), then the float16 conversion; ~4 instructions per 16 values against ~9
-// for the shifts and masks of fp8_v16s.
-template <class Pg>
-inline void widen64(const typename Pg::T* p, v16 (&out)[4]) {
-  for (int i = 0; i < 4; ++i) out[i] = Pg::v16s(p + i * kLanes);
-}
-
-#if defined(__AVX512VBMI__)
-struct E4M3Tables {  // float16 bits of the magnitude codes 0..127 (127: NaN), low and high bytes
-  alignas(64) uint8_t lo[128], hi[128], order[64];
-  E4M3Tables() {
-    for (int c = 0; c < 128; ++c) {
-      const uint16_t h = c == 127 ? 0x7e00 : float_half(e4m3_float(static_cast<uint8_t>(c)));
-      lo[c] = static_cast<uint8_t>(h & 0xff);
-      hi[c] = static_cast<uint8_t>(h >> 8);
-    }
-    // the codes reordered so that the byte unpacks (within 128-bit lanes) leave values 0-15 and
-    // 32-47 in the low halves' order, 16-31 and 48-63 in the high halves'
-    for (int lane = 0; lane < 4; ++lane)
-      for (int j = 0; j < 16; ++j) order[16 * lane + j] = static_cast<uint8_t>((lane >> 1) * 32 + (lane & 1) * 8 + (j < 8 ? j : 8 + j));
-  }
-};
-
-template <>
-inline void widen64<Fp8Pages<true>>(const uint8_t* p, v16 (&out)[4]) {
-  static const E4M3Tables t;
-  const __m512i b = _mm512_permutexvar_epi8(_mm512_load_si512(t.order), _mm512_loadu_si512(p));
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), b, _mm512_load_si512(t.lo + 64));
-  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), b, _mm512_load_si512(t.hi + 64));
-  hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // hi | (b & 0x80): the sign
-  const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
-  out[0] = reinterpret_cast<v16>(_mm512_cvtph_ps(_mm512_castsi512_si256(w0)));
-  out[1] = reinterpret_cast<v16>(_mm512_cvtph_ps(_mm512_castsi512_si256(w1)));
-  out[2] = reinterpret_cast<v16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1)));
-  out[3] = reinterpret_cast<v16>(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1)));
-}
-#endif
-
 // The page type of an XLA element type; false for any other.
 inline bool page_type(xla::ffi::DataType et, PageType& type) {
   using xla::ffi::DataType;
