@@ -20,12 +20,15 @@
 // pages are read in place. Each row's result is computed in the same order whatever the other
 // rows, so a decode step's row equals the same row inside a verification step's.
 //
-// Pages of float16 or bfloat16 are widened to float32 as the passes load them (unit<Pg>): the
-// same operations on the same values, so the result is the float32 kernel's on the widened
-// pages, bit for bit (the scalar tails are one fma whatever the pages hold). Widening a chunk's
-// rows into a float32 buffer first instead (each key converted once, not once per row group) ran
-// no faster than float32 pages, where converting as they load ran a decode step's 30 layers at
-// 1,000 keys in 1.49-1.63 ms against 1.78-1.90 (BENCHMARKS.md, twenty-fifth session).
+// Pages of float16, bfloat16 or 8-bit floats are widened to float32 as the passes load them
+// (unit<Pg>): the same operations on the same values, so the result is the float32 kernel's on
+// the widened pages, bit for bit (the scalar tails are one fma whatever the pages hold). Where a
+// block of 16 keys is scored by several rows (the query heads of a KV head, a verification's
+// rows) the AVX-512 scores pass widens its keys once into a 16 KB buffer in L1 and every row reads
+// that (30 layers at 1,000 keys, q_len 5: float16 and bfloat16 pages 6-12% faster); widening a whole
+// chunk's rows first (64 KB, past L1) ran no faster than float32 pages, where converting as they
+// load ran a decode step's 30 layers at 1,000 keys in 1.49-1.63 ms against 1.78-1.90
+// (BENCHMARKS.md, twenty-fifth and twenty-sixth sessions).
 //
 // On a CPU with AVX2 and FMA but not AVX-512 (JSPEC_AVX2_TILES) the same passes run as AVX2
 // tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x
