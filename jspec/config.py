@@ -244,6 +244,8 @@ DRAFT_QUANTIZATIONS = ("auto", "q8_0", None)  # SpecConfig.draft_quantization
 # EngineConfig.kv_cache_dtype (vLLM's names): "fp8" is "fp8_e4m3", OCP E4M3 (float8_e4m3fn)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_ARRAY_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
+HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
 
 def kv_cache_array_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -252,8 +254,6 @@ def kv_cache_array_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     if kv_cache_dtype == "auto":
         return model_dtype
     return _KV_CACHE_ARRAY_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
-CHECKPOINT_METHODS = ("draft", "eagle", "hybrid")  # spec methods that load a draft checkpoint (SpecConfig.draft)
-HEAD_METHODS = ("eagle", "hybrid")  # ... an EAGLE head directory
 
 
 @dataclasses.dataclass(frozen=True)

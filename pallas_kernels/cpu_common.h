@@ -130,7 +130,8 @@ inline uint8_t float_fp8(float f, float max_finite, uint8_t nan) {
   const int64_t q = static_cast<int64_t>(std::nearbyint(std::ldexp(a, kMant - e)));
   // normal: ((e + bias) << mant) + q - 2^mant; subnormal (e = min_exp, q < 2^mant): q.
   // q = 2^(mant + 1) carries into the next exponent by itself.
-  const int64_t bits = q < (int64_t{1} << kMant) ? q : ((static_cast<int64_t>(e + kBias) << kMant) + q - (int64_t{1} << kMant));
+  const int64_t one = int64_t{1} << kMant;
+  const int64_t bits = q < one ? q : (static_cast<int64_t>(e + kBias) << kMant) + q - one;
   return static_cast<uint8_t>(sign | bits);
 }
 

@@ -567,6 +567,19 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(kv_cache_dtype="fp8_e4m3fnuz")
 
 
+def test_kv_cache_dtype_names_map_to_page_dtypes(target):
+    """vLLM's names to the pages' dtypes ("fp8" is E4M3), and the memory checks count their bytes
+    (what `jspec generate` checks before loading)."""
+    from jspec.config import kv_cache_array_dtype
+    from jspec.loading import memory
+
+    names = {n: kv_cache_array_dtype(n, "float32") for n in ("auto", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert names == {"auto": "float32", "float16": "float16", "fp8": "float8_e4m3fn",
+                     "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+    full = memory.kv_cache_bytes(target.config, 64, "float32")
+    assert [memory.kv_cache_bytes(target.config, 64, names[n]) * 4 // full for n in ("fp8", "fp8_e5m2")] == [1, 1]
+
+
 def test_fp8_pages_refuse_the_triton_kernel(target):
     """The Triton kernel does not read 8-bit pages: asked for by name it is a ConfigError before
     anything is built ("auto" on a GPU runs the xla path for them instead)."""
