@@ -25,10 +25,12 @@
 // the widened pages, bit for bit (the scalar tails are one fma whatever the pages hold). Where a
 // block of 16 keys is scored by several rows (the query heads of a KV head, a verification's
 // rows) the AVX-512 scores pass widens its keys once into a 16 KB buffer in L1 and every row reads
-// that (30 layers at 1,000 keys, q_len 5: float16 and bfloat16 pages 6-12% faster); widening a whole
-// chunk's rows first (64 KB, past L1) ran no faster than float32 pages, where converting as they
-// load ran a decode step's 30 layers at 1,000 keys in 1.49-1.63 ms against 1.78-1.90
-// (BENCHMARKS.md, twenty-fifth and twenty-sixth sessions).
+// that (30 layers at 1,000 keys, q_len 5: float16 and bfloat16 pages 6-12% faster); where the
+// value pass has several row groups (a verification) it widens the chunk's value rows once too
+// (E4M3 pages 12-17% faster). With one row group (a decode step) widening a whole chunk first
+// (64 KB, past L1) ran no faster than float32 pages, where converting as they load ran a decode
+// step's 30 layers at 1,000 keys in 1.49-1.63 ms against 1.78-1.90 (BENCHMARKS.md, twenty-fifth
+// and twenty-sixth sessions).
 //
 // On a CPU with AVX2 and FMA but not AVX-512 (JSPEC_AVX2_TILES) the same passes run as AVX2
 // tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x
@@ -442,61 +444,84 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
   // time (value_block; AVX2: 32, value_block_avx2); the group's last few keys, which only some
   // of its rows see, one row at a time. Either way each row adds its keys in order with the same operations.
   auto vrow = [&](int64_t pos) { return page_of(vp, pos / S) + (pos % S) * D; };
-#ifdef JSPEC_AVX2_TILES
-  const E* vrows[kChunkKeys + kLanes];  // vrow(k0 + i), and the last row again past the end
-  for (int64_t i = 0; i < n + kLanes; ++i) vrows[i] = vrow(k0 + std::min(i, n - 1));
-#endif
-  for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
-    const int64_t g1 = std::min(R, g0 + kRowGroup);
-    float acc[kRowGroup][256];  // D <= 256 (checked by the caller)
-    for (int64_t r = g0; r < g1; ++r) std::fill(acc[r - g0], acc[r - g0] + D, 0.0f);
-    const int64_t last = std::min(k1, first_pos + (g1 - 1) / G + 1);  // keys the group's last row sees
-    const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
-    const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
-    int64_t d = 0;
-#ifdef JSPEC_AVX2_TILES
-    for (; d + 32 <= D; d += 32) value_rows_avx2<Pg, 4>(p, n, g1 - g0, k0, all, d, vrows, acc);
-    switch ((D - d) / 8) {
-      case 3: value_rows_avx2<Pg, 3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
-      case 2: value_rows_avx2<Pg, 2>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
-      case 1: value_rows_avx2<Pg, 1>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
-      default: break;
-    }
-    for (d = D / 8 * 8; d < D; ++d)  // the columns past the last multiple of 8
-      for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r)
-          acc[r][d] = std::fma(p[r * n + pos - k0], Pg::one(vrows[pos - k0] + d), acc[r][d]);
-#else
-    for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<Pg, 4>(p, n, g1 - g0, k0, all, d, vrow, acc);
-    switch ((D - d) / kLanes) {
-      case 3: value_block<Pg, 3>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
-      case 2: value_block<Pg, 2>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
-      case 1: value_block<Pg, 1>(p, n, g1 - g0, k0, all, d, vrow, acc); break;
-      default: break;
-    }
-    for (d = D / kLanes * kLanes; d < D; ++d)  // the columns past the last full vector
-      for (int64_t pos = k0; pos < all; ++pos)
-        for (int64_t r = 0; r < g1 - g0; ++r)
-          acc[r][d] = std::fma(p[r * n + pos - k0], Pg::one(vrow(pos) + d), acc[r][d]);
-#endif
-    for (int64_t pos = all; pos < last; ++pos) {
-      const E* v = vrow(pos);
-      const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
-      for (int64_t r = from; r < g1; ++r) {
-        const float pr = p[(r - g0) * n + pos - k0];
-        float* a = acc[r - g0];
-        int64_t c = 0;
-#ifdef JSPEC_AVX2_TILES
-        for (; c + 8 <= D; c += 8)
-          _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), Pg::v8(v + c), _mm256_loadu_ps(a + c)));
-#else
-        for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * Pg::v16s(v + c));
-#endif
-        for (; c < D; ++c) a[c] = std::fma(pr, Pg::one(v + c), a[c]);  // scalar tails: one fused op whatever Pg
+  auto value_pass = [&](auto pages, const auto& row_of) {  // row_of(pos): key pos's value row, of pages' type
+    using P = decltype(pages);
+    using PE = typename P::T;
+  #ifdef JSPEC_AVX2_TILES
+    const PE* vrows[kChunkKeys + kLanes];  // row_of(k0 + i), and the last row again past the end
+    for (int64_t i = 0; i < n + kLanes; ++i) vrows[i] = row_of(k0 + std::min(i, n - 1));
+  #endif
+    for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
+      const int64_t g1 = std::min(R, g0 + kRowGroup);
+      float acc[kRowGroup][256];  // D <= 256 (checked by the caller)
+      for (int64_t r = g0; r < g1; ++r) std::fill(acc[r - g0], acc[r - g0] + D, 0.0f);
+      const int64_t last = std::min(k1, first_pos + (g1 - 1) / G + 1);  // keys the group's last row sees
+      const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
+      const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
+      int64_t d = 0;
+  #ifdef JSPEC_AVX2_TILES
+      for (; d + 32 <= D; d += 32) value_rows_avx2<P, 4>(p, n, g1 - g0, k0, all, d, vrows, acc);
+      switch ((D - d) / 8) {
+        case 3: value_rows_avx2<P, 3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+        case 2: value_rows_avx2<P, 2>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+        case 1: value_rows_avx2<P, 1>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
+        default: break;
       }
+      for (d = D / 8 * 8; d < D; ++d)  // the columns past the last multiple of 8
+        for (int64_t pos = k0; pos < all; ++pos)
+          for (int64_t r = 0; r < g1 - g0; ++r)
+            acc[r][d] = std::fma(p[r * n + pos - k0], P::one(vrows[pos - k0] + d), acc[r][d]);
+  #else
+      for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<P, 4>(p, n, g1 - g0, k0, all, d, row_of, acc);
+      switch ((D - d) / kLanes) {
+        case 3: value_block<P, 3>(p, n, g1 - g0, k0, all, d, row_of, acc); break;
+        case 2: value_block<P, 2>(p, n, g1 - g0, k0, all, d, row_of, acc); break;
+        case 1: value_block<P, 1>(p, n, g1 - g0, k0, all, d, row_of, acc); break;
+        default: break;
+      }
+      for (d = D / kLanes * kLanes; d < D; ++d)  // the columns past the last full vector
+        for (int64_t pos = k0; pos < all; ++pos)
+          for (int64_t r = 0; r < g1 - g0; ++r)
+            acc[r][d] = std::fma(p[r * n + pos - k0], P::one(row_of(pos) + d), acc[r][d]);
+  #endif
+      for (int64_t pos = all; pos < last; ++pos) {
+        const PE* v = row_of(pos);
+        const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
+        for (int64_t r = from; r < g1; ++r) {
+          const float pr = p[(r - g0) * n + pos - k0];
+          float* a = acc[r - g0];
+          int64_t c = 0;
+  #ifdef JSPEC_AVX2_TILES
+          for (; c + 8 <= D; c += 8)
+            _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), P::v8(v + c), _mm256_loadu_ps(a + c)));
+  #else
+          for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * P::v16s(v + c));
+  #endif
+          for (; c < D; ++c) a[c] = std::fma(pr, P::one(v + c), a[c]);  // scalar tails: one fused op whatever Pg
+        }
+      }
+      for (int64_t r = g0; r < g1; ++r) std::memcpy(part + r * (D + 2) + 2, acc[r - g0], sizeof(float) * D);
     }
-    for (int64_t r = g0; r < g1; ++r) std::memcpy(part + r * (D + 2) + 2, acc[r - g0], sizeof(float) * D);
+  };
+#ifndef JSPEC_AVX2_TILES
+  if constexpr (!std::is_same_v<Pg, F32Pages>) {
+    if (R > kRowGroup) {  // several row groups: the chunk's value rows widened once (the same values)
+      thread_local std::vector<float> widened;
+      const int64_t keys = std::min(k1, first_pos + (R - 1) / G + 1) - k0;  // the keys the last row sees
+      widened.resize(static_cast<size_t>(std::max<int64_t>(keys, 0) * D));
+      for (int64_t i = 0; i < keys; ++i) {
+        const E* v = vrow(k0 + i);
+        float* w = widened.data() + i * D;
+        int64_t c = 0;
+        for (; c + kLanes <= D; c += kLanes) store(w + c, Pg::v16s(v + c));
+        for (; c < D; ++c) w[c] = Pg::one(v + c);
+      }
+      value_pass(F32Pages{}, [&](int64_t pos) { return static_cast<const float*>(widened.data() + (pos - k0) * D); });
+      return;
+    }
   }
+#endif
+  value_pass(Pg{}, vrow);
 }
 
 }  // namespace
