@@ -447,10 +447,10 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
   auto value_pass = [&](auto pages, const auto& row_of) {  // row_of(pos): key pos's value row, of pages' type
     using P = decltype(pages);
     using PE = typename P::T;
-  #ifdef JSPEC_AVX2_TILES
+#ifdef JSPEC_AVX2_TILES
     const PE* vrows[kChunkKeys + kLanes];  // row_of(k0 + i), and the last row again past the end
     for (int64_t i = 0; i < n + kLanes; ++i) vrows[i] = row_of(k0 + std::min(i, n - 1));
-  #endif
+#endif
     for (int64_t g0 = 0; g0 < R; g0 += kRowGroup) {
       const int64_t g1 = std::min(R, g0 + kRowGroup);
       float acc[kRowGroup][256];  // D <= 256 (checked by the caller)
@@ -459,7 +459,7 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
       const int64_t all = std::max(k0, std::min(last, first_pos + g0 / G + 1));  // keys its first row sees
       const float* p = scores.data() + g0 * n;  // p[r * n + pos - k0]: row g0 + r's weight of key pos
       int64_t d = 0;
-  #ifdef JSPEC_AVX2_TILES
+#ifdef JSPEC_AVX2_TILES
       for (; d + 32 <= D; d += 32) value_rows_avx2<P, 4>(p, n, g1 - g0, k0, all, d, vrows, acc);
       switch ((D - d) / 8) {
         case 3: value_rows_avx2<P, 3>(p, n, g1 - g0, k0, all, d, vrows, acc); break;
@@ -471,7 +471,7 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
         for (int64_t pos = k0; pos < all; ++pos)
           for (int64_t r = 0; r < g1 - g0; ++r)
             acc[r][d] = std::fma(p[r * n + pos - k0], P::one(vrows[pos - k0] + d), acc[r][d]);
-  #else
+#else
       for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<P, 4>(p, n, g1 - g0, k0, all, d, row_of, acc);
       switch ((D - d) / kLanes) {
         case 3: value_block<P, 3>(p, n, g1 - g0, k0, all, d, row_of, acc); break;
@@ -483,7 +483,7 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
         for (int64_t pos = k0; pos < all; ++pos)
           for (int64_t r = 0; r < g1 - g0; ++r)
             acc[r][d] = std::fma(p[r * n + pos - k0], P::one(row_of(pos) + d), acc[r][d]);
-  #endif
+#endif
       for (int64_t pos = all; pos < last; ++pos) {
         const PE* v = row_of(pos);
         const int64_t from = std::max<int64_t>(g0, std::max<int64_t>(0, pos - first_pos) * G);
@@ -491,12 +491,12 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
           const float pr = p[(r - g0) * n + pos - k0];
           float* a = acc[r - g0];
           int64_t c = 0;
-  #ifdef JSPEC_AVX2_TILES
+#ifdef JSPEC_AVX2_TILES
           for (; c + 8 <= D; c += 8)
             _mm256_storeu_ps(a + c, _mm256_fmadd_ps(_mm256_set1_ps(pr), P::v8(v + c), _mm256_loadu_ps(a + c)));
-  #else
+#else
           for (; c + kLanes <= D; c += kLanes) store(a + c, load(a + c) + splat(pr) * P::v16s(v + c));
-  #endif
+#endif
           for (; c < D; ++c) a[c] = std::fma(pr, P::one(v + c), a[c]);  // scalar tails: one fused op whatever Pg
         }
       }
