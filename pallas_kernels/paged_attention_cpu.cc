@@ -112,6 +112,14 @@ constexpr int64_t kAheadBlocks = 4;  // blocks of 16 keys prefetched ahead in th
 #endif
 constexpr int64_t kChunkKeys = 256;  // keys per unit of work (split-K, combined at the end)
 
+// A page row of D elements as float32 (the same values the passes would load).
+template <class Pg>
+void widen_row(const typename Pg::T* src, float* dst, int64_t D) {
+  int64_t c = 0;
+  for (; c + kLanes <= D; c += kLanes) store(dst + c, Pg::v16s(src + c));
+  for (; c < D; ++c) dst[c] = Pg::one(src + c);
+}
+
 // acc[r][d .. d + 16 NV] += sum over keys [from, to) of p[r * n + pos - from] v(pos)[d ..], for
 // the first `rows` rows of a group, the accumulators held in registers through the keys.
 template <class Pg, int NV, class VRow>
@@ -382,9 +390,7 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
       alignas(64) float widened[kLanes][256];  // D <= 256
       const float* wk[kLanes];
       for (int j = 0; j < kLanes; ++j) {
-        int64_t c = 0;
-        for (; c + kLanes <= D; c += kLanes) store(widened[j] + c, Pg::v16s(keys[j] + c));
-        for (; c < D; ++c) widened[j][c] = Pg::one(keys[j] + c);
+        widen_row<Pg>(keys[j], widened[j], D);
         wk[j] = widened[j];
       }
       score_rows(F32Pages{}, wk);
@@ -509,13 +515,7 @@ void unit(const Shapes& s, const float* q, const typename Pg::T* kp, const typen
       thread_local std::vector<float> widened;
       const int64_t keys = std::min(k1, first_pos + (R - 1) / G + 1) - k0;  // the keys the last row sees
       widened.resize(static_cast<size_t>(std::max<int64_t>(keys, 0) * D));
-      for (int64_t i = 0; i < keys; ++i) {
-        const E* v = vrow(k0 + i);
-        float* w = widened.data() + i * D;
-        int64_t c = 0;
-        for (; c + kLanes <= D; c += kLanes) store(w + c, Pg::v16s(v + c));
-        for (; c < D; ++c) w[c] = Pg::one(v + c);
-      }
+      for (int64_t i = 0; i < keys; ++i) widen_row<Pg>(vrow(k0 + i), widened.data() + i * D, D);
       value_pass(F32Pages{}, [&](int64_t pos) { return static_cast<const float*>(widened.data() + (pos - k0) * D); });
       return;
     }

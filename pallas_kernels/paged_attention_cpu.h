@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "cpu_common.h"
