@@ -3,6 +3,7 @@ greedy acceptance) at several q_lens on the real model (``jspec.engine.profile.p
 
     python benchmarks/profile_verify.py [--q-lens 1,2,5,9] [--repeats 10] [--prompt-index 0]
                                         [--compare-small-row-weights] [--compare-float-weights]
+                                        [--compare-int8-activations]
 
 q_len 1 is a plain decoding step, q_len k + 1 the verification of k drafts. Each category is
 the median over calls of the summed durations of its XLA CPU thunks (their named-scope path in
@@ -12,7 +13,9 @@ The engine's parameters are what it runs: on the CPU kernel, the small-row copy 
 projections, as the GGUF file's own Q4_1 / Q8_0 blocks where it has them.
 ``--compare-small-row-weights`` adds the same profile without the copy (the model's float32
 parameters through XLA), ``--compare-float-weights`` with a float32 copy in place of the blocks
-(``jspec.models.llama.with_small_row_weights`` without ``quantized``), in the same run.
+(``jspec.models.llama.with_small_row_weights`` without ``quantized``), ``--compare-int8-activations``
+with the blocks in the int8 dot-product layout (``EngineConfig.quantized_activations``: activations
+rounded to int8, integer products), in the same run.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main():
     ap.add_argument("--prompt-index", type=int, default=0, help="HumanEval problem")
     ap.add_argument("--compare-small-row-weights", action="store_true")
     ap.add_argument("--compare-float-weights", action="store_true")
+    ap.add_argument("--compare-int8-activations", action="store_true")
     args = ap.parse_args()
     model = jspec.load_model()
     prompt = common.humaneval_prompts(args.prompt_index, 1)[0]
@@ -51,6 +55,10 @@ def main():
         runs.append(("a float32 small-row copy in place of the GGUF's blocks",
                      profile_ops(model, ids, qs, repeats=args.repeats, engine=engine,
                                  params=with_small_row_weights(model.params))))
+    if args.compare_int8_activations:
+        runs.append(("the GGUF's blocks with int8 activations (quantized_activations)",
+                     profile_ops(model, ids, qs, repeats=args.repeats, engine=engine,
+                                 params=with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True))))
     for title, profs in runs:
         print(f"\n### {title}\n")
         _table(profs)

@@ -33,7 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kSiluBlock = 256;  // floats of one row per unit of the silu phase
+constexpr int64_t kSiluBlock = 256;  // floats of one row per unit of the silu phase (whole blocks of 32)
 
 // silu(g) u = g u / (1 + exp(-g)), 16 lanes at a time (the vector exp of the attention kernel).
 void silu_times(const float* g, const float* u, float* out, int64_t n) {
@@ -59,6 +59,7 @@ bool packed_shape(const ffi::AnyBuffer& buf, Packed& p) {
 // The buffers of the layer's phases after the K/V write.
 struct TailBuffers {
   std::vector<float> attn, h, hn, gate_up, act;
+  jspec_cpu::QuantRows qattn, qhn, qact;  // the products' inputs quantized, for int8 dot layouts
   TailBuffers(int64_t M, int64_t QS, int64_t H, int64_t I)
       : attn(M * QS), h(M * H), hn(M * H), gate_up(M * 2 * I), act(M * I) {}
 };
@@ -72,23 +73,35 @@ void tail_phases(std::vector<jspec_cpu::Phase>& phases, jspec_cpu::AttentionPlan
   using jspec_cpu::product_chunks;
   const jspec_cpu::Weight ow = o_w.w, guw = gate_up_w.w, dw = down_w.w;
   const int64_t silu_blocks = (I + kSiluBlock - 1) / kSiluBlock;
+  const bool qo = jspec_cpu::int8_dot(ow.layout), qgu = jspec_cpu::int8_dot(guw.layout),
+             qdn = jspec_cpu::int8_dot(dw.layout);
+  if (qdn) b.qact.resize(M, I);  // filled by the silu phase's units, a block of 32 at a time
   phases.push_back(Phase{plan.num_units, [&plan](int64_t u) { plan.run(u); }});
-  phases.push_back(Phase{1, [&plan, &b](int64_t) { plan.combine(b.attn.data()); }});
+  phases.push_back(Phase{1, [=, &plan, &b](int64_t) {
+                           plan.combine(b.attn.data());
+                           if (qo) b.qattn.quantize_all(b.attn.data(), M, QS);
+                         }});
   phases.push_back(Phase{product_chunks(H),
-                         [=, &b](int64_t c) { product_chunk(b.attn.data(), ow, b.h.data(), x, M, QS, H, c); },
+                         [=, &b](int64_t c) { product_chunk(b.attn.data(), ow, b.h.data(), x, M, QS, H, c, &b.qattn); },
                          ow.data, jspec_cpu::weight_bytes(ow, H, QS)});
-  phases.push_back(Phase{1, [=, &b](int64_t) { jspec_cpu::rms_norm_rows(b.h.data(), gain, b.hn.data(), M, H, H, eps); }});
+  phases.push_back(Phase{1, [=, &b](int64_t) {
+                           jspec_cpu::rms_norm_rows(b.h.data(), gain, b.hn.data(), M, H, H, eps);
+                           if (qgu) b.qhn.quantize_all(b.hn.data(), M, H);
+                         }});
   phases.push_back(Phase{product_chunks(2 * I),
                          [=, &b](int64_t c) { product_chunk(b.hn.data(), guw, b.gate_up.data(), nullptr, M, H, 2 * I,
-                                                            c); },
+                                                            c, &b.qhn); },
                          guw.data, std::min<int64_t>(jspec_cpu::weight_bytes(guw, 2 * I, H), 1 << 20)});
   phases.push_back(Phase{M * silu_blocks, [=, &b](int64_t u) {
                            const int64_t m = u / silu_blocks, i0 = (u % silu_blocks) * kSiluBlock;
+                           const int64_t len = std::min(kSiluBlock, I - i0);
                            const float* row = b.gate_up.data() + m * 2 * I;
-                           silu_times(row + i0, row + I + i0, b.act.data() + m * I + i0, std::min(kSiluBlock, I - i0));
+                           silu_times(row + i0, row + I + i0, b.act.data() + m * I + i0, len);
+                           if (qdn) b.qact.quantize(b.act.data() + m * I, m, i0 / jspec_cpu::kQuantBlock,
+                                                    (i0 + len) / jspec_cpu::kQuantBlock);
                          }});
   phases.push_back(Phase{product_chunks(H),
-                         [=, &b](int64_t c) { product_chunk(b.act.data(), dw, out, b.h.data(), M, I, H, c); },
+                         [=, &b](int64_t c) { product_chunk(b.act.data(), dw, out, b.h.data(), M, I, H, c, &b.qact); },
                          dw.data, std::min<int64_t>(jspec_cpu::weight_bytes(dw, H, I), 1 << 20)});
 }
 
@@ -170,6 +183,7 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   Packed o, gu, dn;
   if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, o, gu, dn, M2, H2, QS2, I); e.failure()) return e;
   std::vector<float> q(M * QS), xn(M * H), qkv_rows(M * qkv.N);
+  jspec_cpu::QuantRows xq;  // xn quantized, for an int8 dot layout
   std::vector<int32_t> kv_lens(B);
   const int32_t* st = start.typed_data();
   const int32_t* ql = q_lens.typed_data();
@@ -187,10 +201,13 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t NQ = qkv.N, half = D / 2;
   using jspec_cpu::Phase;
   std::vector<Phase> phases;
-  phases.push_back(Phase{1, [&, M, H](int64_t) { jspec_cpu::rms_norm_rows(xp, g, xn.data(), M, H, H, eps); }});
+  phases.push_back(Phase{1, [&, M, H](int64_t) {
+                           jspec_cpu::rms_norm_rows(xp, g, xn.data(), M, H, H, eps);
+                           if (jspec_cpu::int8_dot(wq.layout)) xq.quantize_all(xn.data(), M, H);
+                         }});
   phases.push_back(Phase{jspec_cpu::product_chunks(NQ),
                          [&, M, H, NQ](int64_t c) {
-                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, c);
+                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, c, &xq);
                          },
                          wq.data, jspec_cpu::weight_bytes(wq, NQ, H)});
   phases.push_back(Phase{M, [&](int64_t m) {  // row m = (b, t): rotate q and k, write k and v

@@ -38,6 +38,13 @@ TARGET = "jspec_layer_tail"
 LAYER_TARGET = "jspec_decoder_layer"
 
 
+
+def _rows(w) -> int:
+    """The rows N a packed or quantized weight holds (padded to its layout's unit)."""
+    dims = packed_dims(w)
+    return dims[0] if dims is not None else w.shape[0] * PACK_ROWS
+
+
 def layer_tail_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w,
                          eps: float):
     """:func:`layer_tail` in plain ``jnp`` (the attention contract's oracle and the small-row
@@ -45,7 +52,7 @@ def layer_tail_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, 
     m, hidden = x.shape
     attn = paged_verify_attention_reference(q, k_pages, v_pages, block_tables, kv_lens, q_lens).reshape(m, -1)
     h = fused_small_rows_reference(attn, o_w, hidden, residual=x)
-    inter = gate_up_w.shape[0] * PACK_ROWS // 2
+    inter = _rows(gate_up_w) // 2
     gate, up = jnp.split(fused_small_rows_reference(h, gate_up_w, 2 * inter, scale=gain, eps=eps), 2, axis=-1)
     return fused_small_rows_reference(jax.nn.silu(gate) * up, down_w, hidden, residual=h)
 
@@ -55,7 +62,7 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
     b, t, hq, d = q.shape
     if x.ndim != 2 or x.shape[0] != b * t:
         raise ValueError(f"layer_tail: x must be [B * T = {b * t}, H], got shape {x.shape}")
-    hidden, inter = x.shape[1], gate_up_w.shape[0] * PACK_ROWS // 2
+    hidden, inter = x.shape[1], _rows(gate_up_w) // 2
     for name, w, (n, k) in (("o_w", o_w, (hidden, hq * d)), ("gate_up_w", gate_up_w, (2 * inter, hidden)),
                             ("down_w", down_w, (hidden, inter))):
         if packed_dims(w) is None:
@@ -76,7 +83,7 @@ def applies(q, k_pages, x, o_w, gate_up_w, down_w) -> bool:
     (the pages float32, float16, bfloat16 or 8-bit floats), head_dim <= 256, weights packed without padding (each
     product's K a multiple of 16, N of 4), kernels built."""
     hidden, (b, t, hq, d) = x.shape[-1], q.shape
-    inter2 = gate_up_w.shape[0] * PACK_ROWS
+    inter2 = _rows(gate_up_w)
     return (q.dtype == jnp.float32 and k_pages.dtype in PAGE_DTYPES and d <= 256 and inter2 % 2 == 0
             and packed_dims(o_w) == (hidden, hq * d) and packed_dims(gate_up_w) == (inter2, hidden)
             and packed_dims(down_w) == (hidden, inter2 // 2) and available())
@@ -152,7 +159,7 @@ def decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block
     b, w = block_tables.shape
     kvh, _, _, d = k_pages.shape
     t = x.shape[0] // b
-    qkv = fused_small_rows_reference(x, qkv_w, qkv_w.shape[0] * PACK_ROWS, scale=in_gain, eps=eps)
+    qkv = fused_small_rows_reference(x, qkv_w, _rows(qkv_w), scale=in_gain, eps=eps)
     q_cols = qkv.shape[-1] - 2 * kvh * d
     q, k, v = jnp.split(qkv.reshape(b, t, -1), [q_cols, q_cols + kvh * d], axis=-1)
     cos, sin = cos.reshape(b, t, d), sin.reshape(b, t, d)
@@ -196,10 +203,10 @@ def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, s
     if x.ndim != 2 or x.shape[0] % b:
         raise ValueError(f"decoder_layer: x must be [B * T, H] for B = {b}, got shape {x.shape}")
     kvh, _, _, d = k_pages.shape
-    check_small_rows_args(x, qkv_w, qkv_w.shape[0] * PACK_ROWS)
-    q_cols = qkv_w.shape[0] * PACK_ROWS - 2 * kvh * d
+    check_small_rows_args(x, qkv_w, _rows(qkv_w))
+    q_cols = _rows(qkv_w) - 2 * kvh * d
     if q_cols <= 0 or q_cols % d:
-        raise ValueError(f"decoder_layer: qkv_w's rows ({qkv_w.shape[0] * PACK_ROWS}) are not (Hq + 2 KVH) x {d}")
+        raise ValueError(f"decoder_layer: qkv_w's rows ({_rows(qkv_w)}) are not (Hq + 2 KVH) x {d}")
     t = x.shape[0] // b
     q_shape = (b, t, q_cols // d, d)
     for name, a in (("cos", cos), ("sin", sin)):

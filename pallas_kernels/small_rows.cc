@@ -347,6 +347,135 @@ void qrows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int
   for (int64_t n = n0; n < n1; n += kQuantRows) qcolumn<L>(x, w + (n / kQuantRows) * group, y, M, K, N, n);
 }
 
+// ------------------------------------------------------------------ int8 dot products (kQ4_1Dot, kQ8_0Dot)
+// 16 weight rows a block at a time, each of x's rows quantized to int8 a block at a time
+// (jspec_cpu::QuantRows). Per block and row of x, the 32 weights' integer products with a are
+// summed exactly in 16 int32 lanes (lane j: weight row j), 4 products a lane an instruction
+// (AVX512-VNNI vpdpbusd: unsigned weight bytes times signed bytes of x, 4 of them broadcast to every
+// lane), then y_j += (dw_j dx) sum_j, and for Q4_1 y_j += m_j (dx sum(a)), as two FMAs in that
+// order. Without VNNI the same sums come from 32-bit multiplies: the same bits (the integer sums are
+// exact, the float steps the same operations). A weight's 16 rows are unpacked once for up to 8 rows
+// of x.
+using jspec_cpu::QuantRows;
+
+template <Layout L>
+constexpr int64_t dot_group_bytes() {  // a block of the 16 rows
+  return jspec_cpu::kDotRows * record_bytes<L == Layout::kQ4_1Dot ? Layout::kQ4_1 : Layout::kQ8_0>();
+}
+
+#if defined(__AVX512F__)
+constexpr int kMaxRowsDot = 8;  // 8 unpacked weight vectors, d, m, 8 accumulators and temporaries
+#else
+constexpr int kMaxRowsDot = 4;
+#endif
+
+// c + a b, rounded once, lane by lane.
+inline v16 vfma(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#else
+  v16 out;
+  for (int l = 0; l < kLanes; ++l) out[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return out;
+#endif
+}
+
+#if defined(__AVX512VNNI__)
+typedef __m512i ivec;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// acc + the 4-byte dot products of w's unsigned bytes with a's 4 signed bytes, lane by lane
+inline ivec dot4(ivec acc, ivec w, int32_t a) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a)); }
+inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec isub(ivec a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+inline v16 ifloat(ivec v) { return reinterpret_cast<v16>(_mm512_cvtepi32_ps(v)); }
+#else
+typedef uint32_t ivec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));  // 4 bytes a lane
+inline ivec izero() { return ivec{}; }
+inline ivec iload(const uint8_t* p) {
+  ivec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline ivec dot4(ivec acc, ivec w, int32_t a) {
+  using jspec_cpu::i16v;
+  i16v s = reinterpret_cast<i16v>(acc);
+  for (int u = 0; u < 4; ++u)
+    s += reinterpret_cast<i16v>((w >> (8 * u)) & 0xff) * static_cast<int32_t>(static_cast<int8_t>(a >> (8 * u)));
+  return reinterpret_cast<ivec>(s);
+}
+inline ivec low_nibbles(ivec v) { return v & 0x0f0f0f0fu; }
+inline ivec high_nibbles(ivec v) { return (v >> 4) & 0x0f0f0f0fu; }
+inline ivec iadd(ivec a, ivec b) { return a + b; }
+inline ivec isub(ivec a, int32_t s) { return a - static_cast<uint32_t>(s); }
+inline v16 ifloat(ivec v) { return __builtin_convertvector(reinterpret_cast<jspec_cpu::i16v>(v), v16); }
+#endif
+
+template <Layout L, int R>
+void dtile(const QuantRows& xq, const uint8_t* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n) {
+  constexpr bool q41 = L == Layout::kQ4_1Dot;
+  constexpr int64_t GB = dot_group_bytes<L>();
+  const int64_t nb = K / jspec_cpu::kQuantBlock;
+  v16 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = v16{};
+  const uint8_t* rec = wt;
+  for (int64_t b = 0; b < nb; ++b, rec += GB) {
+#pragma GCC unroll 9
+    for (int64_t p = 0; p < GB; p += 64) __builtin_prefetch(rec + kPrefetchBytes + p, 0, 2);
+    const v16 dw = load(reinterpret_cast<const float*>(rec));
+    const v16 mw = q41 ? load(reinterpret_cast<const float*>(rec + 64)) : v16{};
+    ivec w[8];
+    if constexpr (q41) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const ivec v = iload(rec + 128 + 64 * t);
+        w[t] = low_nibbles(v), w[4 + t] = high_nibbles(v);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) w[t] = iload(rec + 64 + 64 * t);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (m + i) * nb + b;
+      int32_t a[8];
+      std::memcpy(a, xq.a.data() + (m + i) * K + b * jspec_cpu::kQuantBlock, sizeof a);
+      ivec s0 = dot4(izero(), w[0], a[0]), s1 = dot4(izero(), w[1], a[1]);
+#pragma GCC unroll 3
+      for (int t = 2; t < 8; t += 2) s0 = dot4(s0, w[t], a[t]), s1 = dot4(s1, w[t + 1], a[t + 1]);
+      ivec s = iadd(s0, s1);
+      if constexpr (!q41) s = isub(s, xq.s128[at]);
+      acc[i] = vfma(ifloat(s), dw * splat(xq.d[at]), acc[i]);
+      if constexpr (q41) acc[i] = vfma(mw, splat(xq.ds[at]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store(y + (m + i) * N + n, acc[i]);
+}
+
+template <Layout L>
+void drows(const QuantRows& xq, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t group = (K / jspec_cpu::kQuantBlock) * dot_group_bytes<L>();  // bytes of 16 rows
+  for (int64_t n = n0; n < n1; n += jspec_cpu::kDotRows) {
+    const uint8_t* wt = w + (n / jspec_cpu::kDotRows) * group;
+    int64_t m = 0;
+    for (; m + kMaxRowsDot <= M; m += kMaxRowsDot) dtile<L, kMaxRowsDot>(xq, wt, y, K, N, m, n);
+    switch (M - m) {
+      case 7: if constexpr (kMaxRowsDot > 7) dtile<L, 7>(xq, wt, y, K, N, m, n); break;
+      case 6: if constexpr (kMaxRowsDot > 6) dtile<L, 6>(xq, wt, y, K, N, m, n); break;
+      case 5: if constexpr (kMaxRowsDot > 5) dtile<L, 5>(xq, wt, y, K, N, m, n); break;
+      case 4: if constexpr (kMaxRowsDot > 4) dtile<L, 4>(xq, wt, y, K, N, m, n); break;
+      case 3: dtile<L, 3>(xq, wt, y, K, N, m, n); break;
+      case 2: dtile<L, 2>(xq, wt, y, K, N, m, n); break;
+      case 1: dtile<L, 1>(xq, wt, y, K, N, m, n); break;
+      default: break;
+    }
+  }
+}
+
 // Every row of x against one tile of C weight rows, MAXR rows of x at a time.
 template <int C, int MAXR>
 void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n,
@@ -365,10 +494,16 @@ void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int
   }
 }
 
-// Weight rows n0 .. n1 (n0, n1 multiples of 4 in the packed and quantized layouts).
-void rows(const float* x, jspec_cpu::Weight wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// Weight rows n0 .. n1 (n0, n1 multiples of 4 in the packed and quantized layouts, of 16 in the
+// int8 dot layouts, which read x quantized: xq).
+void rows(const float* x, jspec_cpu::Weight wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
+          const QuantRows* xq = nullptr) {
   const float* w = static_cast<const float*>(wt.data);
   switch (wt.layout) {
+    case Layout::kQ4_1Dot:
+      return drows<Layout::kQ4_1Dot>(*xq, static_cast<const uint8_t*>(wt.data), y, M, K, N, n0, n1);
+    case Layout::kQ8_0Dot:
+      return drows<Layout::kQ8_0Dot>(*xq, static_cast<const uint8_t*>(wt.data), y, M, K, N, n0, n1);
     case Layout::kQ4_1:
       return qrows<Layout::kQ4_1>(x, static_cast<const uint8_t*>(wt.data), y, M, K, N, n0, n1);
     case Layout::kQ8_0:
@@ -391,8 +526,10 @@ void rows(const float* x, jspec_cpu::Weight wt, float* y, int64_t M, int64_t K, 
 // shape as y) each chunk adds r to its outputs once they are summed (a residual connection).
 void product(ffi::ThreadPool& pool, const float* xp, jspec_cpu::Weight w, float* yp, const float* rp, int64_t M,
              int64_t K, int64_t N) {
+  QuantRows xq;
+  if (jspec_cpu::int8_dot(w.layout)) xq.quantize_all(xp, M, K);
   jspec_cpu::parallel_for(pool, jspec_cpu::product_chunks(N), [&](int64_t c) {
-    jspec_cpu::product_chunk(xp, w, yp, rp, M, K, N, c);
+    jspec_cpu::product_chunk(xp, w, yp, rp, M, K, N, c, &xq);
   });
 }
 
@@ -492,18 +629,67 @@ bool weight_of(const xla::ffi::AnyBuffer& w, Weight& out, int64_t& N, int64_t& K
   } else if (w.element_type() == ffi::DataType::U8 && d.size() == 4 && d[2] == kQuantRows &&
              (d[3] == kQ4_1Record || d[3] == kQ8_0Record)) {
     out.layout = d[3] == kQ4_1Record ? Layout::kQ4_1 : Layout::kQ8_0, N = d[0] * kQuantRows, K = d[1] * kQuantBlock;
+  } else if (w.element_type() == ffi::DataType::U8 && d.size() == 4 && d[2] == kDotRows &&
+             (d[3] == kQ4_1Record || d[3] == kQ8_0Record)) {
+    out.layout = d[3] == kQ4_1Record ? Layout::kQ4_1Dot : Layout::kQ8_0Dot, N = d[0] * kDotRows, K = d[1] * kQuantBlock;
   } else {
     return false;
   }
   return true;
 }
 
-void product_chunk(const float* x, Weight w, float* y, const float* r, int64_t M, int64_t K, int64_t N, int64_t c) {
+void product_chunk(const float* x, Weight w, float* y, const float* r, int64_t M, int64_t K, int64_t N, int64_t c,
+                   const QuantRows* xq) {
   const int64_t n0 = c * kChunkRows, n1 = std::min(N, (c + 1) * kChunkRows);
-  rows(x, w, y, M, K, N, n0, n1);
+  rows(x, w, y, M, K, N, n0, n1, xq);
   if (r != nullptr)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] += r[m * N + n];
+}
+
+void QuantRows::resize(int64_t M, int64_t k) {
+  K = k;
+  a.resize(M * K);
+  d.resize(M * (K / kQuantBlock));
+  ds.resize(d.size());
+  s128.resize(d.size());
+}
+
+void QuantRows::quantize(const float* row, int64_t m, int64_t b0, int64_t b1) {
+  const int64_t nb = K / kQuantBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* xb = row + b * kQuantBlock;
+    int8_t* ab = a.data() + m * K + b * kQuantBlock;
+    int32_t sum = 0;
+    float amax;
+#if defined(__AVX512F__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16), _mm512_cvtsepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    amax = 0.f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {  // nearest even, as the vector conversion rounds
+      const float v = std::nearbyint(xb[i] * id);
+      ab[i] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, v)));
+      sum += ab[i];
+    }
+#endif
+    const int64_t at = m * nb + b;
+    d[at] = amax / 127.f;
+    ds[at] = d[at] * static_cast<float>(sum);
+    s128[at] = 128 * sum;
+  }
+}
+
+void QuantRows::quantize_all(const float* x, int64_t M, int64_t k) {
+  resize(M, k);
+  for (int64_t m = 0; m < M; ++m) quantize(x + m * K, m, 0, K / kQuantBlock);
 }
 
 void rms_norm_rows(const float* x, const float* g, float* out, int64_t M, int64_t K0, int64_t K, float eps) {

@@ -95,24 +95,125 @@ def pack_quantized(blocks: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def quantized_type(w) -> str | None:
-    """"q4_1" or "q8_0" for a weight in the quantized layout (array or ShapeDtypeStruct), else None."""
-    if w.dtype == jnp.uint8 and w.ndim == 4 and w.shape[2] == PACK_ROWS:
+    """"q4_1" or "q8_0" for a weight in a quantized layout (array or ShapeDtypeStruct: the float
+    layout's :func:`pack_quantized` or the integer one's :func:`pack_int8_dot`), else None."""
+    if w.dtype == jnp.uint8 and w.ndim == 4 and w.shape[2] in (PACK_ROWS, DOT_ROWS):
         return _TYPE_OF_RECORD.get(w.shape[3])
     return None
 
 
+def int8_dot(w) -> bool:
+    """Whether ``w`` is in the int8 dot-product layout (:func:`pack_int8_dot`)."""
+    return quantized_type(w) is not None and w.shape[2] == DOT_ROWS
+
+
+def group_rows(w) -> int:
+    """Weight rows a packed or quantized layout interleaves (its padding unit): 4, or 16 for
+    :func:`pack_int8_dot`'s."""
+    return DOT_ROWS if int8_dot(w) else PACK_ROWS
+
+
 def packed_dims(w) -> tuple[int, int] | None:
-    """(rows N, padded to 4; K) of a packed float32 or quantized weight, None for anything else."""
-    if w.ndim != 4 or w.shape[2] != PACK_ROWS:
+    """(rows N, padded to 4 (16: :func:`pack_int8_dot`); K) of a packed float32 or quantized
+    weight, None for anything else."""
+    if w.ndim != 4:
         return None
     if quantized_type(w) is not None:
-        return w.shape[0] * PACK_ROWS, w.shape[1] * QUANT_BLOCK
+        return w.shape[0] * w.shape[2], w.shape[1] * QUANT_BLOCK
+    if w.shape[2] != PACK_ROWS:
+        return None
     return (w.shape[0] * PACK_ROWS, w.shape[1] * LANES) if w.shape[3] == LANES and w.dtype != jnp.uint8 else None
+
+
+# ------------------------------------------------------------------ int8 dot products
+# The same blocks arranged for integer dot products (llama.cpp's way of multiplying them), 16 rows
+# a block at a time: [N / 16, K / 32, 16, record] uint8, each [16, record] the block's 16 rows: Q4_1
+# float32 d [16], float32 m [16], then 4 vectors of 64 bytes whose byte 4 j + u of vector t is byte
+# 4 t + u of row j's nibbles (weights 4 t + u low, 16 + 4 t + u high); Q8_0 d [16], then 8 vectors
+# whose byte 4 j + u of vector t is row j's q[4 t + u] + 128. The product (small_rows.cc) quantizes
+# each row of x to int8 a block of 32 at a time (d = max |x| / 127, a = x / d rounded to nearest
+# even, as llama.cpp's Q8_1) and sums the integer products exactly: per block y += (dw dx) sum(q a)
+# (+ m dx sum(a) for Q4_1). Not bit for bit the float32 weight's product (x loses ~0.4% of its
+# block's largest entry), but each row's result is the same whatever rows it is computed with,
+# so speculative decoding stays token-identical to plain decoding on it. Bytes are the same as
+# :func:`pack_quantized`'s.
+DOT_ROWS = 16
+
+
+def pack_int8_dot(w) -> np.ndarray:
+    """A weight in :func:`pack_quantized`'s layout -> the int8 dot-product layout (above), rows
+    padded to a multiple of 16 with zero weights. A weight already in it comes back as it is."""
+    qtype = quantized_type(w)
+    if qtype is None:
+        raise ValueError(f"pack_int8_dot: w must be in pack_quantized's layout, got {w.dtype} {w.shape}")
+    w = np.asarray(w)
+    if int8_dot(w):
+        return w
+    g, nb, _, size = w.shape
+    rows = w.transpose(0, 2, 1, 3).reshape(g * PACK_ROWS, nb, size)
+    rows = np.pad(rows, ((0, -rows.shape[0] % DOT_ROWS), (0, 0), (0, 0)))
+    rec = rows.reshape(-1, DOT_ROWS, nb, size).transpose(0, 2, 1, 3)  # [G, nb, 16, record]
+    head = 8 if qtype == "q4_1" else 4
+    parts = [rec[..., 0:4].reshape(*rec.shape[:2], -1)]  # d [16]
+    if qtype == "q4_1":
+        parts.append(rec[..., 4:8].reshape(*rec.shape[:2], -1))  # m [16]
+    q = rec[..., head:]
+    if qtype == "q8_0":
+        q = q ^ np.uint8(0x80)  # int8 q + 128, unsigned
+    q = q.reshape(*rec.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)  # [G, nb, t, j, u]
+    parts.append(q.reshape(*rec.shape[:2], -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(rec.shape))
+
+
+def _dot_blocks(w):
+    """An int8 dot layout's d, m (Q4_1; else None) [G, nb, 16] float32 and q [G, nb, 16, 32] int32."""
+    g, nb, r, size = w.shape
+    flat = w.reshape(g, nb, r * size)
+    d = jax.lax.bitcast_convert_type(flat[..., :64].reshape(g, nb, r, 4), jnp.float32)
+    if quantized_type(w) == "q4_1":
+        m = jax.lax.bitcast_convert_type(flat[..., 64:128].reshape(g, nb, r, 4), jnp.float32)
+        v = flat[..., 128:].reshape(g, nb, 4, r, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, r, 16)
+        q = jnp.concatenate([v & 15, v >> 4], axis=-1).astype(jnp.int32)
+    else:
+        m = None
+        v = flat[..., 64:].reshape(g, nb, 8, r, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, r, 32)
+        q = v.astype(jnp.int32) - 128
+    return d, m, q
+
+
+def quantize_rows_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] (K a multiple of 32) -> (a int32 [M, K / 32, 32], d float32 [M, K / 32]): the
+    product's quantization of x, x ~ d a per block of 32 (d = max |x| / 127, a = x (127 / max |x|)
+    rounded to nearest even)."""
+    xb = x.reshape(x.shape[0], -1, QUANT_BLOCK)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0).astype(jnp.float32)
+    a = jnp.clip(jnp.round(xb * inv[..., None]), -128, 127).astype(jnp.int32)
+    return a, amax / jnp.float32(127)
+
+
+def int8_dot_reference(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
+    """x [M, K] times an int8 dot-layout weight -> [M, n] in plain ``jnp``: x quantized as the
+    kernel quantizes it, the integer sums exact, the block sums added in another order than the
+    kernel's (equal up to float rounding)."""
+    d, m, q = _dot_blocks(w)
+    a, dx = quantize_rows_int8(x)
+    sums = jnp.einsum("mbi,gbji->mbgj", a, q, preferred_element_type=jnp.int32)  # [M, nb, G, 16]
+    part = (d.transpose(1, 0, 2)[None] * dx[:, :, None, None]) * sums.astype(jnp.float32)
+    if m is not None:
+        ds = dx * jnp.sum(a, axis=-1).astype(jnp.float32)
+        part = part + m.transpose(1, 0, 2)[None] * ds[:, :, None, None]
+    return jnp.sum(part, axis=1).reshape(x.shape[0], -1)[:, :n]
 
 
 def dequantize(w: jax.Array, n: int) -> jax.Array:
     """A quantized-layout weight -> float32 rows [n, K] in plain ``jnp`` (the kernel's reference)."""
     qtype = quantized_type(w)
+    if int8_dot(w):
+        d, m, q = _dot_blocks(w)
+        vals = d[..., None] * q.astype(jnp.float32)  # [G, nb, 16, 32]
+        vals = vals if m is None else vals + m[..., None]
+        return vals.transpose(0, 2, 1, 3).reshape(-1, w.shape[1] * QUANT_BLOCK)[:n]
     g, nb, r, size = w.shape
     d = jax.lax.bitcast_convert_type(w[..., 0:4], jnp.float32)[..., None]  # [g, nb, 4, 1]
     if qtype == "q4_1":
@@ -129,6 +230,9 @@ def small_rows_matmul_reference(x: jax.Array, w: jax.Array, n: int | None = None
     """``x`` [..., K] times the weight rows transposed -> [..., N] (one ``dot_general``); ``w`` is
     [N, K], or packed (:func:`pack_rows`) or quantized (:func:`pack_quantized`) with ``n`` its
     true row count."""
+    if int8_dot(w):
+        x2 = x.reshape(-1, x.shape[-1])
+        return int8_dot_reference(x2, w, n).reshape(*x.shape[:-1], n)
     if quantized_type(w) is not None:
         w = dequantize(w, n)
     elif w.ndim == 4:
@@ -140,10 +244,11 @@ def check_small_rows_args(x: jax.Array, w: jax.Array, n: int | None = None) -> N
     quantized = quantized_type(w) is not None
     if w.ndim == 4:
         dims = packed_dims(w)
-        if dims is None or n is None or not dims[0] - PACK_ROWS < n <= dims[0]:
+        if dims is None or n is None or not dims[0] - group_rows(w) < n <= dims[0]:
             raise ValueError(f"small_rows_matmul: a packed w must be [ceil(n / {PACK_ROWS}), ceil(K / {LANES}), "
-                             f"{PACK_ROWS}, {LANES}] (or quantized: uint8 [ceil(n / {PACK_ROWS}), K / {QUANT_BLOCK}, "
-                             f"{PACK_ROWS}, 24 | 36]) with n given, got {w.dtype} {w.shape} and n = {n}")
+                             f"{PACK_ROWS}, {LANES}] (or quantized: uint8 [ceil(n / {PACK_ROWS} | {DOT_ROWS}), "
+                             f"K / {QUANT_BLOCK}, {PACK_ROWS} | {DOT_ROWS}, 24 | 36]) with n given, got {w.dtype} "
+                             f"{w.shape} and n = {n}")
         lo = dims[1] if quantized else dims[1] - LANES + 1
         if x.ndim < 1 or not lo <= x.shape[-1] <= dims[1]:
             raise ValueError(f"small_rows_matmul: x [..., K] does not fit the packed w {w.shape}, got shape {x.shape}")
@@ -159,13 +264,13 @@ def check_small_rows_args(x: jax.Array, w: jax.Array, n: int | None = None) -> N
 
 
 def _kernel(x2: jax.Array, w: jax.Array) -> jax.Array:  # [M, K], [N, K] or packed -> [M, N (padded)]
-    n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    n = packed_dims(w)[0] if w.ndim == 4 else w.shape[0]
     out = jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, w)
 
 
 def _reference(x2, w):
-    return small_rows_matmul_reference(x2, w, w.shape[0] * PACK_ROWS if w.ndim == 4 else None)
+    return small_rows_matmul_reference(x2, w, packed_dims(w)[0] if w.ndim == 4 else None)
 
 
 @jax.custom_vjp
@@ -247,7 +352,7 @@ def fused_small_rows_reference(x, w, n=None, *, scale=None, eps=1e-5, residual=N
 
 
 def _fused_kernel(x2, w, scale, residual, *, eps):
-    n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    n = packed_dims(w)[0] if w.ndim == 4 else w.shape[0]
     out = jax.ShapeDtypeStruct((x2.shape[0], n), x2.dtype)
     return jax.ffi.ffi_call(FUSED_TARGET, out, vmap_method="sequential")(x2, w, scale, residual, eps=np.float32(eps))
 
@@ -266,7 +371,7 @@ def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale:
         raise ValueError(f"fused_small_rows: scale must be [{x.shape[-1]}], got shape {scale.shape}")
     if residual is not None and residual.shape != (*x.shape[:-1], true_n):
         raise ValueError(f"fused_small_rows: residual must be {(*x.shape[:-1], true_n)}, got shape {residual.shape}")
-    padded_n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    padded_n = packed_dims(w)[0] if w.ndim == 4 else w.shape[0]
     if x.dtype != jnp.float32 or not available() or padded_n != true_n:
         return fused_small_rows_reference(x, w, n, scale=scale, eps=eps, residual=residual)
     x2 = x.reshape(-1, x.shape[-1])
@@ -283,7 +388,7 @@ def _fused(x2, w, g, r, eps, norm, add):
 
 
 def _fused_reference(x2, w, g, r, *, eps, norm, add):
-    n = w.shape[0] * PACK_ROWS if w.ndim == 4 else w.shape[0]
+    n = packed_dims(w)[0] if w.ndim == 4 else w.shape[0]
     return fused_small_rows_reference(x2, w, n, scale=g if norm else None, eps=eps, residual=r if add else None)
 
 

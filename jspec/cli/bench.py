@@ -49,6 +49,8 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     b.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the jspec methods' KV pages (default auto: the model's dtype)")
+    b.add_argument("--quantized-activations", action="store_true",
+                   help="the jspec methods multiply the GGUF blocks with int8 activations (EngineConfig)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (default 0: greedy, and tokens are checked against AR)")
     b.add_argument("--top-p", type=float, default=1.0)
@@ -123,7 +125,7 @@ def cmd_bench(args) -> int:
     enable_compile_cache()
     report = run_bench(model, prompts, methods, max_tokens=args.max_tokens, chat=args.chat,
                        attention=args.attention, profile=args.profile, sampling=sampling,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, quantized_activations=args.quantized_activations)
     print(f"{report.meta['machine']}, {report.meta['date']}; {model.source.name} ({report.meta['dtype']}), "
           f"{report.meta['sampling']}, "
           f"batch 1, up to {args.max_tokens} new tokens, {report.num_prompts} prompts\n")

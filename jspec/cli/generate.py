@@ -57,6 +57,10 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
                         "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
+    g.add_argument("--quantized-activations", action="store_true",
+                   help="multiply the GGUF blocks as llama.cpp does: activations rounded to int8 a block of 32, "
+                        "integer dot products (faster verification; logits move slightly; speculative output "
+                        "still equals plain decoding with the same flag)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -163,7 +167,7 @@ def cmd_generate(args) -> int:
         max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
         max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, quantized_activations=args.quantized_activations)
     enable_compile_cache()
     engine = LLMEngine(model, config, spec)
     reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]

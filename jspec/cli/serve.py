@@ -45,6 +45,10 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
                         "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
+    s.add_argument("--quantized-activations", action="store_true",
+                   help="multiply the GGUF blocks as llama.cpp does: activations rounded to int8 a block of 32, "
+                        "integer dot products (faster verification; logits move slightly; speculative output "
+                        "still equals plain decoding with the same flag)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
     s.add_argument("--max-burst-steps", type=int, default=8,
@@ -111,7 +115,8 @@ def serve_options(args):
                           max_num_batched_tokens=args.max_num_batched_tokens or args.max_num_seqs * (k + 1) + 256,
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
-                          tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+                          tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype,
+                          quantized_activations=args.quantized_activations)
     checks._check_attention(args.attention)
     if spec.method in CHECKPOINT_METHODS:
         checks._check_draft_exists(spec)

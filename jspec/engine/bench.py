@@ -174,10 +174,12 @@ class EngineRunner:
     2026-12-03, fourteenth session). Dynamic k's cost model carries too, as in a server."""
 
     def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str = "auto",
-                 sampling: Optional[SamplingParams] = None, kv_cache_dtype: str = "auto"):
+                 sampling: Optional[SamplingParams] = None, kv_cache_dtype: str = "auto",
+                 quantized_activations: bool = False):
         self.sampling = dataclasses.replace(sampling or SamplingParams(), max_tokens=max_tokens)
         config = engine_config(model, ids, self.sampling, spec.num_speculative_tokens, attention=attention,
-                               max_num_seqs=1, dynamic_k=spec.dynamic_k, kv_cache_dtype=kv_cache_dtype)
+                               max_num_seqs=1, dynamic_k=spec.dynamic_k, kv_cache_dtype=kv_cache_dtype,
+                               quantized_activations=quantized_activations)
         self.engine = LLMEngine(model, config, spec)
         self.max_tokens = max_tokens
         if spec.dynamic_k:  # as `jspec serve` does: every candidate k compiled and timed before any prompt
@@ -388,7 +390,7 @@ class BenchReport:
 def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens: int = 128, chat: bool = False,
               attention: str = "auto", profile: bool = False, progress: bool = True,
               warmup_tokens: int = 8, sampling: Optional[SamplingParams] = None,
-              kv_cache_dtype: str = "auto") -> BenchReport:
+              kv_cache_dtype: str = "auto", quantized_activations: bool = False) -> BenchReport:
     """Run ``methods`` (jspec AR first, as :func:`parse_methods` orders them; peers from
     :func:`jspec.engine.peers.transformers_peers` after) on every prompt; see the module
     docstring. ``profile`` adds draft / verify / plain step times of each speculative method
@@ -398,7 +400,8 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     (``max_tokens`` is this function's). Sampled, a speculative method's tokens follow the
     target's distribution but come from other random draws than AR's, so they are not compared
     (no mismatches, ``same_as_ar`` counts coincidences only); the peers decode greedily and are
-    refused. ``kv_cache_dtype``: the jspec methods' KV pages (:class:`jspec.config.EngineConfig`)."""
+    refused. ``kv_cache_dtype``, ``quantized_activations``: the jspec methods' KV pages and
+    products (:class:`jspec.config.EngineConfig`)."""
     if not methods or not methods[0].is_ar:
         raise ConfigError("the first method must be jspec ar (the reference)")
     sampled = sampling is not None and sampling.temperature > 0
@@ -411,7 +414,7 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     def runner(m: Method) -> Callable[[list[int], int], Run]:
         if m.run is not None:
             return m.run
-        return EngineRunner(model, m.spec, ids, max_tokens, attention, sampling, kv_cache_dtype)
+        return EngineRunner(model, m.spec, ids, max_tokens, attention, sampling, kv_cache_dtype, quantized_activations)
 
     runners = [runner(m) for m in methods]
     results = [MethodResult(m.name, k=m.spec.num_speculative_tokens if m.spec is not None and m.spec.enabled else 0,
@@ -462,7 +465,8 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
             if m.spec is not None and m.spec.enabled and m.run is None:
                 s = profile_step(model, ids[0], m.spec, attention=attention)
                 r.step_ms = {"draft": s.draft_ms, "verify": s.verify_ms, "step": s.step_ms, "plain": s.plain_step_ms}
-    meta = dict(_meta(model), sampling=_describe(sampling), kv_cache_dtype=kv_cache_dtype)
+    meta = dict(_meta(model), sampling=_describe(sampling), kv_cache_dtype=kv_cache_dtype,
+                quantized_activations=quantized_activations)
     return BenchReport(results, mismatches, len(ids), max_tokens, [len(x) for x in ids], meta=meta)
 
 

@@ -195,13 +195,17 @@ class LLMEngine:
                           device=None if device.platform == "cpu" else device)
         copy = self._small_row_weights(config, mc, device)
         quantized = getattr(model, "quantized", None) if config.quantized_weights else None
-        params = with_small_row_weights(model.params, quantized=quantized) if copy else model.params
+        int8 = config.quantized_activations
+        if int8 and copy and not quantized:
+            log.warning("quantized_activations: the model has no Q4_1 / Q8_0 blocks to multiply (not a GGUF file?); "
+                        "its products stay float32")
+        params = with_small_row_weights(model.params, quantized=quantized, int8_dot=int8) if copy else model.params
         if copy and isinstance(drafter_params, dict):  # a draft model's layers, an EAGLE head's projections
             q = self.spec.draft_quantization
             q = ("q8_0" if loaded_drafter else None) if q == "auto" else q
             drafter_params = with_small_row_weights(
                 drafter_params, HEAD_PROJECTIONS,
-                quantized=q and quantized_drafter_weights(drafter_params, HEAD_PROJECTIONS, q))
+                quantized=q and quantized_drafter_weights(drafter_params, HEAD_PROJECTIONS, q), int8_dot=int8)
 
         def make(params, dparams):
             return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,

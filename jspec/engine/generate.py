@@ -75,7 +75,8 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
              spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None,
              cache_config: CacheConfig = CacheConfig(), attention: str = "auto", chat: bool = False,
              seeds: Optional[Sequence[int]] = None, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
-             stream_interval: int = 8, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> GenerationResult:
+             stream_interval: int = 8, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+             quantized_activations: bool = False) -> GenerationResult:
     """Generate continuations of ``prompts`` with ``model`` (a :class:`LoadedModel`).
 
     With ``spec.method != "none"`` (or an explicit ``drafter``) decoding is speculative and
@@ -85,8 +86,8 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
     names. ``seeds`` gives each prompt its own seed (default ``sampling.seed + i``).
     ``on_tokens`` receives, after each burst of ``stream_interval`` steps, the new tokens of every
     sequence since the last call. ``tensor_parallel_size`` shards the target over that many
-    devices (:mod:`jspec.parallel`). ``kv_cache_dtype``: the KV pages' dtype
-    (:class:`EngineConfig`).
+    devices (:mod:`jspec.parallel`). ``kv_cache_dtype``: the KV pages' dtype;
+    ``quantized_activations``: int8 products on the GGUF blocks (both :class:`EngineConfig`).
     """
     if not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -103,7 +104,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
     k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
     config = engine_config(model, ids, sampling, k, cache_config, attention, tensor_parallel_size,
                            stream_interval if on_tokens is not None else None, dynamic_k=spec.dynamic_k,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, quantized_activations=quantized_activations)
     engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
     return run_requests(engine, ids, sampling, seeds, on_tokens)
 
@@ -116,7 +117,8 @@ DYNAMIC_K_BURST_STEPS = 16
 def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: int,
                   cache_config: CacheConfig = CacheConfig(), attention: str = "auto", tensor_parallel_size: int = 1,
                   stream_interval: Optional[int] = None, max_num_seqs: Optional[int] = None,
-                  dynamic_k: bool = False, kv_cache_dtype: str = "auto") -> EngineConfig:
+                  dynamic_k: bool = False, kv_cache_dtype: str = "auto",
+                  quantized_activations: bool = False) -> EngineConfig:
     """The engine :func:`generate` builds for ``ids`` (one slot per prompt unless
     ``max_num_seqs``): shapes rounded up to ``SHAPE_QUANTUM`` tokens, pages for every slot at full
     length, bursts to the end of the budget (or of ``stream_interval`` steps; with ``dynamic_k``
@@ -136,7 +138,7 @@ def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: 
                         max_burst_steps=burst,
                         attention=attention, shuffle_pages=cache_config.shuffle_pages,
                         seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, quantized_activations=quantized_activations)
 
 
 def run_requests(engine: LLMEngine, ids: Sequence[list[int]], sampling: SamplingParams,

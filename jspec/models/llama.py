@@ -198,9 +198,14 @@ def small_rows_apply(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows")
 
 
-def _few_rows(x, dtype, quantized: bool = False) -> bool:
+def _few_rows(x, dtype, quantized: bool = False, int8_dot: bool = False) -> bool:
     """Whether ``x`` [..., in] has :data:`KERNEL_ROWS` rows (:data:`QUANTIZED_KERNEL_ROWS` for a
-    weight in the quantized layout) for a product the kernel can run."""
+    weight in the quantized layout) for a product the kernel can run. A weight in the int8 dot
+    layout (``pallas_kernels.small_rows.pack_int8_dot``) takes any number of rows: its products
+    (x quantized to 8 bits) have no float32 twin in XLA, and a row's result must not depend on how
+    many rows its step has, or speculative output would part from plain decoding."""
+    if int8_dot:
+        return math.prod(x.shape[:-1]) >= 1 and small_rows_apply(dtype)
     rows = QUANTIZED_KERNEL_ROWS if quantized else KERNEL_ROWS
     return math.prod(x.shape[:-1]) in rows and small_rows_apply(dtype)
 
@@ -220,7 +225,8 @@ class Linear(nn.Module):
         ``residual`` it is added to the result. On the small-row kernel both fold into its call."""
         x = x.astype(self.dtype)
         packed = self.get_variable("params", "weight") if self.has_variable("params", "weight") else None
-        kernel_path = packed is not None and _few_rows(x, self.dtype, small_rows.quantized_type(packed) is not None)
+        kernel_path = packed is not None and _few_rows(x, self.dtype, small_rows.quantized_type(packed) is not None,
+                                                       small_rows.int8_dot(packed))
         if kernel_path and (norm is not None or residual is not None):
             y = small_rows.fused_small_rows(x, packed, self.features, scale=None if norm is None else norm[0],
                                             eps=0.0 if norm is None else norm[1], residual=residual)
@@ -243,13 +249,13 @@ def times_rows(x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = N
     vocabulary's embedding rows): a few float32 rows go through the CPU small-row kernel, which
     reads ``rows`` as they are (no packed copy), or ``quantized``, the same rows in its quantized
     layout, where given; anything else through XLA's product."""
-    if _few_rows(x, rows.dtype, quantized is not None):
+    if _few_rows(x, rows.dtype, quantized is not None, quantized is not None and small_rows.int8_dot(quantized)):
         return small_rows.small_rows_matmul(x.astype(jnp.float32), rows if quantized is None else quantized,
                                             rows.shape[0])
     return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
 
 
-def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantized=None):
+def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantized=None, int8_dot: bool = False):
     """``params`` with a packed copy ``weight`` (``pallas_kernels.small_rows.pack_rows`` of the
     kernel's transpose) beside the ``kernel`` of every :class:`Linear` called one of ``names``
     (by default a decoder layer's projections), which it reads for products of a few rows on the
@@ -262,8 +268,12 @@ def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantiz
     quantized form instead (SmolLM2-135M's 66 MB of Q4_1 instead of 425 MB of floats), and
     ``("lm_head_rows",)`` becomes ``params["lm_head_rows"]``, which :meth:`LlamaForCausalLM.head`
     reads for a few rows in place of the float32 table. The kernel gives the same bits from either
-    form of a weight (``pallas_kernels.small_rows``), reading a fifth of the bytes or less."""
-    quantized = quantized or {}
+    form of a weight (``pallas_kernels.small_rows``), reading a fifth of the bytes or less.
+
+    ``int8_dot``: the quantized weights go in the integer dot-product layout instead
+    (``pallas_kernels.small_rows.pack_int8_dot``, :func:`int8_dot_weights`): their products
+    quantize x to 8 bits a block of 32 (llama.cpp's way), for any number of rows."""
+    quantized = int8_dot_weights(quantized or {}) if int8_dot else (quantized or {})
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
     for where, kernel in projection_kernels(params, names).items():
         w = quantized.get(where)
@@ -271,6 +281,14 @@ def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantiz
     if ("lm_head_rows",) in quantized:
         flat[("lm_head_rows",)] = jnp.asarray(quantized[("lm_head_rows",)])
     return traverse_util.unflatten_dict(flat)
+
+
+def int8_dot_weights(quantized: dict) -> dict:
+    """Quantized-layout weights (keyed as :func:`with_small_row_weights` takes them) in the int8
+    dot-product layout: the LM head's rows, and every projection whose rows are a multiple of 16
+    (the layout's unit; the decoder-layer kernels take unpadded weights). Others stay as they are."""
+    return {k: small_rows.pack_int8_dot(w) if k == ("lm_head_rows",) or w.shape[0] * w.shape[2] % small_rows.DOT_ROWS == 0
+            else w for k, w in quantized.items()}
 
 
 def projection_kernels(params, names: tuple[str, ...] = PROJECTIONS) -> dict[tuple[str, ...], jax.Array]:
@@ -421,7 +439,8 @@ class DecoderLayer(nn.Module):
         weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
         if any(w is None for w in weights):
             return False
-        return _few_rows(x, self.config.dtype, all(small_rows.quantized_type(w) is not None for w in weights))
+        return _few_rows(x, self.config.dtype, all(small_rows.quantized_type(w) is not None for w in weights),
+                         all(small_rows.int8_dot(w) for w in weights))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -445,11 +464,11 @@ class LlamaForCausalLM(nn.Module):
         rows = self.variables.get("params", {}).get("lm_head_rows")  # quantized (with_small_row_weights)
         if self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
-            if _few_rows(hidden, self.config.dtype, rows is not None):
+            if _few_rows(hidden, self.config.dtype, rows is not None, rows is not None and small_rows.int8_dot(rows)):
                 logits = times_rows(hidden, self.embed_tokens.embedding, rows)
             else:
                 logits = self.embed_tokens.attend(hidden)
-        elif rows is not None and _few_rows(hidden, self.config.dtype, True):
+        elif rows is not None and _few_rows(hidden, self.config.dtype, True, small_rows.int8_dot(rows)):
             logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
         else:
             logits = self.lm_head(hidden)
