@@ -43,7 +43,8 @@ SOURCES = (HERE / "small_rows.cc", HERE / "paged_attention_cpu.cc", HERE / "laye
 HEADERS = (HERE / "cpu_common.h", HERE / "small_rows.h", HERE / "paged_attention_cpu.h")
 TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_small_rows_fused": "JspecSmallRowsFused",
            "jspec_paged_attention": "JspecPagedAttention", "jspec_layer_tail": "JspecLayerTail",
-           "jspec_decoder_layer": "JspecDecoderLayer", "jspec_row_argmax": "JspecRowArgmax"}
+           "jspec_decoder_layer": "JspecDecoderLayer", "jspec_row_argmax": "JspecRowArgmax",
+           "jspec_rope": "JspecRope"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

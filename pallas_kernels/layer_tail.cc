@@ -47,6 +47,28 @@ void silu_times(const float* g, const float* u, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = g[i] * u[i] / (1.0f + std::exp(-g[i]));
 }
 
+// A float32 product as rounded: the empty asm keeps the compiler from fusing it into an FMA with
+// the add that follows (C++ builds contract a * b + c by default).
+inline float rounded(float v) {
+  asm("" : "+m"(v));
+  return v;
+}
+
+// Rotate-half RoPE of one head's D values: out[d] = x[d] c[d] - x[d + D/2] s[d], out[d + D/2] =
+// x[d + D/2] c[d + D/2] + x[d] s[d + D/2], each product rounded to float32, then the sum, as
+// pallas_kernels.layer_tail.rotate_reference computes it without FMAs. The whole layer's call and
+// the RoPE op (jspec_rope) both use it, so a row gets the same bits on either path; XLA's own
+// elementwise code for the formula was contracted into FMAs in some compiled steps and not in
+// others (a prefill's K an ulp apart between an engine with drafts and one without: BENCHMARKS.md,
+// twenty-seventh session).
+inline void rotate_half(const float* in, const float* c, const float* sn, float* o, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    o[d] = rounded(in[d] * c[d]) + rounded(-in[d + half] * sn[d]);
+    o[d + half] = rounded(in[d + half] * c[d + half]) + rounded(in[d] * sn[d + half]);
+  }
+}
+
 struct Packed {  // a packed or quantized weight (jspec_cpu::weight_of) and its true [N, K]
   jspec_cpu::Weight w;
   int64_t N, K;
@@ -198,7 +220,7 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const jspec_cpu::Weight wq = qkv.w;
   const float *cp = cos.typed_data(), *sp = sin.typed_data();
   const int32_t* tables = block_tables.typed_data();
-  const int64_t NQ = qkv.N, half = D / 2;
+  const int64_t NQ = qkv.N;
   using jspec_cpu::Phase;
   std::vector<Phase> phases;
   phases.push_back(Phase{1, [&, M, H](int64_t) {
@@ -213,12 +235,7 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   phases.push_back(Phase{M, [&](int64_t m) {  // row m = (b, t): rotate q and k, write k and v
     const float* row = qkv_rows.data() + m * NQ;
     const float *c = cp + m * D, *sn = sp + m * D;
-    auto rotate = [&](const float* in, float* o) {
-      for (int64_t d = 0; d < half; ++d) {
-        o[d] = in[d] * c[d] + -in[d + half] * sn[d];
-        o[d + half] = in[d + half] * c[d + half] + in[d] * sn[d + half];
-      }
-    };
+    auto rotate = [&](const float* in, float* o) { rotate_half(in, c, sn, o, D); };
     for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, q.data() + m * QS + h * D);
     const int64_t bi = m / T, t = m % T;
     if (t >= ql[bi]) return;
@@ -240,7 +257,30 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+// RoPE of x [M, H, D] with cos / sin [M, D] of each row's position (rotate_half).
+ffi::Error RopeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  const auto d = x.dimensions();
+  if (d.size() != 3 || d[2] % 2 || cos.dimensions().size() != 2 || cos.dimensions()[0] != d[0] ||
+      cos.dimensions()[1] != d[2] || sin.element_count() != cos.element_count()) {
+    return ffi::Error::InvalidArgument("rope: expected x [M, H, D] (D even), cos and sin [M, D]");
+  }
+  const int64_t M = d[0], H = d[1], D = d[2];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < H; ++h)
+      rotate_half(x.typed_data() + (m * H + h) * D, cos.typed_data() + m * D, sin.typed_data() + m * D,
+                  out->typed_data() + (m * H + h) * D, D);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecRope, RopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [M, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // out [M, H, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecLayerTail, LayerTailImpl,
                               ffi::Ffi::Bind()

@@ -145,12 +145,51 @@ _tail.defvjp(_tail_fwd, _tail_bwd)
 
 
 # ---------------------------------------------------------------------------- the whole layer
-def rotate(x, cos, sin):
+ROPE_TARGET = "jspec_rope"
+
+
+def rotate_reference(x, cos, sin):
     """Rotate-half RoPE of ``x`` [..., heads, D] with ``cos`` / ``sin`` [..., D] of each row's
-    position (jspec.models.llama.apply_rope)."""
+    position, in plain ``jnp``."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def _rope_kernel(x3, c2, s2):
+    return jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct(x3.shape, x3.dtype), vmap_method="sequential")(x3, c2, s2)
+
+
+@jax.custom_vjp
+def _rope(x3, c2, s2):
+    return jax.lax.platform_dependent(x3, c2, s2, cpu=_rope_kernel, default=rotate_reference)
+
+
+def _rope_fwd(x3, c2, s2):
+    return _rope(x3, c2, s2), (x3, c2, s2)
+
+
+def _rope_bwd(res, dy):
+    _, vjp = jax.vjp(rotate_reference, *res)
+    return vjp(dy)
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def rotate(x, cos, sin):
+    """Rotate-half RoPE of ``x`` [..., heads, D] with ``cos`` / ``sin`` [..., D] of each row's
+    position (jspec.models.llama.apply_rope): :func:`rotate_reference`'s formula, on the CPU (float32,
+    kernels built) as a C++ op with each product rounded before the sum, the arithmetic of
+    :func:`decoder_layer`'s own RoPE. XLA compiles the same elementwise formula with or without
+    FMAs depending on the program around it, so the same row's K could differ by an ulp between a
+    step with drafts and one without; with the op it cannot, and it matches the whole-layer call."""
+    if x.dtype != jnp.float32 or cos.dtype != jnp.float32 or x.shape[-1] % 2 or not available():
+        return rotate_reference(x, cos, sin)
+    lead, (h, d) = x.shape[:-2], x.shape[-2:]
+    cos, sin = jnp.broadcast_to(cos, (*lead, d)), jnp.broadcast_to(sin, (*lead, d))
+    m = int(np.prod(lead, dtype=np.int64))
+    return _rope(x.reshape(m, h, d), cos.reshape(m, d), sin.reshape(m, d)).reshape(x.shape)
 
 
 def decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain,
@@ -163,8 +202,8 @@ def decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block
     q_cols = qkv.shape[-1] - 2 * kvh * d
     q, k, v = jnp.split(qkv.reshape(b, t, -1), [q_cols, q_cols + kvh * d], axis=-1)
     cos, sin = cos.reshape(b, t, d), sin.reshape(b, t, d)
-    q = rotate(q.reshape(b, t, -1, d), cos, sin)
-    k_pages = write_kv(k_pages, rotate(k.reshape(b, t, kvh, d), cos, sin), block_tables, start, q_lens)
+    q = rotate_reference(q.reshape(b, t, -1, d), cos, sin)
+    k_pages = write_kv(k_pages, rotate_reference(k.reshape(b, t, kvh, d), cos, sin), block_tables, start, q_lens)
     v_pages = write_kv(v_pages, v.reshape(b, t, kvh, d), block_tables, start, q_lens)
     out = layer_tail_reference(q, k_pages, v_pages, block_tables, start + q_lens, q_lens, x, o_w, gain, gate_up_w,
                                down_w, eps)

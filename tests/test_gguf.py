@@ -214,3 +214,52 @@ def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf
     assert runs[True] == runs[False]
     with pytest.raises(ConfigError, match="quantized_weights"):
         EngineConfig(quantized_weights="yes")
+
+
+def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch):
+    """EngineConfig.quantized_activations on a Q4_1 file: the engine's small-row weights are in the
+    int8 dot layout; a step's logits move from the float32 products' by x's 8-bit rounding, and by
+    little; greedy output is the same token for token whatever the step's rows: plain decoding of
+    each prompt alone, of both together, and n-gram speculation (k + 1 rows a step)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.cache.paged import init_cache
+    from jspec.config import EngineConfig
+    from jspec.errors import ConfigError
+    from jspec.models.llama import forward, with_small_row_weights
+    from pallas_kernels import cpu_kernels, small_rows
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler: the kernels are not built")
+    monkeypatch.setenv("JSPEC_CPU_KERNELS", "1")
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_gguf(path, hf_dir, "Q4_1")
+    model = jspec.load_model(str(path), tokenizer=False)
+    cfg = model.config
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(4, dtype=jnp.int32)[None], 4, 16)
+    tokens = jnp.array([[3, 17, 42, 7, 99]], jnp.int32)
+    step = jax.jit(lambda p: forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu").logits)
+    int8 = with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True)
+    assert "jspec_decoder_layer" in step.lower(int8).as_text()
+    got, want = (np.asarray(step(p))[0] for p in (int8, with_small_row_weights(model.params,
+                                                                                 quantized=model.quantized)))
+    span = want.max() - want.min()
+    assert 1e-4 * span < np.abs(got - want).max() < 0.05 * span
+    prompts = [[5, 9, 200, 31, 5, 9, 200], [77, 3, 77, 3, 77]]
+    sp = jspec.SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = {}
+    for name, spec in (("ar", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+        llm = jspec.LLM(model, max_num_seqs=2, max_model_len=64, quantized_activations=True,
+                        speculative_config=spec)
+        params = llm.engine.runner.params
+        assert small_rows.int8_dot(params["layers_0"]["mlp"]["down_proj"]["weight"])
+        assert small_rows.int8_dot(params["lm_head_rows"])
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if name == "ar":
+            runs["alone"] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert runs["ar"] == runs["ngram"] == runs["alone"]
+    with pytest.raises(ConfigError, match="quantized_activations"):
+        EngineConfig(quantized_activations=1)
+    with pytest.raises(ConfigError, match="needs quantized_weights"):
+        EngineConfig(quantized_activations=True, quantized_weights=False)

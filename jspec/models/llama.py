@@ -76,9 +76,12 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax
             jnp.concatenate([jnp.sin(angles)] * 2, axis=-1).astype(dtype))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]."""
-    return layer_tail.rotate(x, *rope_cos_sin(positions, inv_freq, x.dtype))
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, kernel: bool = True) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]. ``kernel``: on the CPU the C++ op
+    (``pallas_kernels.layer_tail.rotate``: the same bits in every compiled step); False (a sharded
+    model, whose XLA partitioner cannot split a custom call): XLA's elementwise ops."""
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    return layer_tail.rotate(x, cos, sin) if kernel else layer_tail.rotate_reference(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -324,8 +327,9 @@ class Attention(nn.Module):
         def qkv_of(part, shape, positions):  # [..., columns] -> rotated q, k and v [*shape, heads, D]
             part = part.reshape(*shape, tp, q_cols + 2 * kv_cols)
             q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
-            return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq),
-                    apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq),
+            one = tp == 1
+            return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq, one),
+                    apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq, one),
                     v.reshape(*shape, cfg.num_kv_heads, cfg.head_dim))
 
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask

@@ -272,3 +272,45 @@ def test_whole_layer_writes_and_reads_narrow_pages(cache_dtype):
     if cache_dtype != jnp.bfloat16:  # (bfloat16 has float32's range) values past the largest one
         # (inf, or saturated) and below the smallest normal (subnormals) were written
         assert (np.abs(kv) > float(info.max)).any() and ((np.abs(kv) < float(info.smallest_normal)) & (kv != 0)).any()
+
+
+def test_rope_rounds_each_product_before_the_sum():
+    """layer_tail.rotate on the CPU (jspec_rope): x c + r s with each product rounded to float32
+    first, bit for bit, in any compiled program (XLA's elementwise code for it was contracted to
+    FMAs in some steps and not others: an engine with drafts prefilled K an ulp away from one
+    without); gradients are the reference's."""
+    from pallas_kernels.layer_tail import ROPE_TARGET, rotate, rotate_reference
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 7, 3, 64)).astype(np.float32)
+    ang = rng.uniform(0, 100, (2, 7, 32)).astype(np.float32)
+    cos, sin = (np.concatenate([fn(ang)] * 2, -1).astype(np.float32) for fn in (np.cos, np.sin))
+    r = np.concatenate([-x[..., 32:], x[..., :32]], -1)
+    want = (x * cos[..., None, :]).astype(np.float32) + (r * sin[..., None, :]).astype(np.float32)
+    f = jax.jit(rotate)
+    assert ROPE_TARGET in f.lower(x, cos, sin).as_text()
+    for fn in (f, jax.jit(lambda x, c, s: rotate(x * 1.0, c * 1.0, s) * 1.0)):  # alone, and among other ops
+        assert np.array_equal(np.asarray(fn(x, cos, sin)).view(np.uint32), want.view(np.uint32))
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(rotate(x, cos, sin))))(jnp.asarray(x))
+    g_ref = jax.grad(lambda x: jnp.sum(jnp.sin(rotate_reference(x, cos, sin))))(jnp.asarray(x))
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_the_whole_layer_ropes_as_the_rope_op_does():
+    """The K the whole-layer call writes equals the separate path's (the QKV product, then the
+    RoPE op) bit for bit: a row gets the same K whether its step runs the layer as one call or
+    not (a prefill chunk beside it)."""
+    from pallas_kernels.layer_tail import rotate
+    from pallas_kernels.small_rows import fused_small_rows
+
+    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(40,), kv_heads=3)
+    _, args = _layer_operands(case, 576, 1536, seed=4)  # clean pages and tables
+    x, qkv, in_gain, cos, sin, k, v, table, _, _, *weights = args
+    start, q_lens = jnp.array([30], jnp.int32), jnp.array([5], jnp.int32)
+    _, k_out, _ = jax.jit(lambda *a: decoder_layer(*a, eps=EPS))(x, qkv, in_gain, cos, sin, k, v, table, start, q_lens,
+                                                                  *weights)
+    rows = jax.jit(lambda x: fused_small_rows(x, qkv, (9 + 6) * 64, scale=in_gain, eps=EPS))(x)
+    k_sep = np.asarray(jax.jit(rotate)(rows[:, 9 * 64:12 * 64].reshape(5, 3, 64), cos, sin))
+    page = int(np.asarray(table)[0, 30 // 16])
+    got = np.asarray(k_out)[:, page, 30 % 16:30 % 16 + 2]  # positions 30, 31 on the page
+    assert np.array_equal(got.transpose(1, 0, 2).view(np.uint32), k_sep[:2].view(np.uint32))

@@ -10,18 +10,17 @@ import platform
 import shutil
 import subprocess
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attention_cases import Case, make_inputs
+from quant_blocks import bits, random_blocks, weights
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import decoder_layer, layer_tail
 from pallas_kernels.small_rows import (
     FUSED_TARGET,
-    GGUF_BLOCK_BYTES,
     TARGET,
     check_small_rows_args,
     dequantize,
@@ -35,34 +34,6 @@ from pallas_kernels.small_rows import (
 )
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the kernel is not built")
-GGUF_TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """GGUF blocks [n, k / 32 * block bytes] of random q, with float16 scales of both signs and
-    every magnitude a real file has (subnormal ones included) and, for Q4_1, negative mins."""
-    rng = np.random.default_rng(seed)
-    nb, size = k // 32, GGUF_BLOCK_BYTES[qtype]
-    b = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
-    d = rng.uniform(1e-3, 3e-2, size=(n, nb)) * rng.choice([-1.0, 1.0], size=(n, nb))
-    d.flat[::7] = 3e-6  # subnormal in float16
-    b[..., 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
-    if qtype == "q4_1":
-        b[..., 2:4] = rng.uniform(-0.2, 0.05, size=(n, nb)).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
-    return b.reshape(n, nb * size)
-
-
-def weights(qtype: str, n: int, k: int, seed: int = 0):
-    """(the quantized-layout weight, the same weight as float32 rows [n, k] as gguf dequantizes it)."""
-    raw = random_blocks(qtype, n, k, seed)
-    rows = gguf.quants.dequantize(raw, GGUF_TYPES[qtype]).reshape(n, k)
-    return jnp.asarray(pack_quantized(raw, qtype)), jnp.asarray(rows)
-
-
-def bits(a) -> np.ndarray:
-    return np.asarray(a).view(np.uint32)
-
-
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(7, 64), (130, 576), (4, 1536)])
 def test_the_layout_dequantizes_to_ggufs_values_bit_for_bit(qtype, n, k):
