@@ -1,6 +1,6 @@
 """Autoregressive decode: jspec vs Hugging Face transformers, same model, prompts and tokens.
 
-    python benchmarks/bench_decode.py [--prompts 6] [--max-new-tokens 64]
+    python benchmarks/bench_decode.py [--prompts 6] [--max-new-tokens 64] [--compare-int8-activations]
 
 Greedy, batch 1, every prompt generates exactly ``max_new_tokens`` (EOS ignored on both sides:
 ``ignore_eos`` / ``min_new_tokens``). jspec and transformers run interleaved prompt by prompt so
@@ -8,7 +8,9 @@ machine noise hits both; the ratio is the result. The floor is the weight bytes 
 read over the measured memory read bandwidth: jspec's decode step reads the GGUF file's own Q4_1
 / Q8_0 blocks (``LoadedModel.quantized``, 112 MB for SmolLM2-135M), so its floor is those bytes'; the
 float32 floor (538 MB, what transformers' dequantized model and jspec's float32 copy read) is
-printed beside it.
+printed beside it. ``--compare-int8-activations`` also runs jspec with
+``quantized_activations=True`` (int8 products on the same blocks, the same bytes) interleaved, and
+prints its numbers against the same floor.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--compare-int8-activations", action="store_true")
     args = ap.parse_args()
     n = args.max_new_tokens
 
@@ -37,12 +40,21 @@ def main():
     sp = jspec.SamplingParams(max_tokens=n, ignore_eos=True)
 
     jspec.generate(model, [ids[0]], sp)  # compile
+    int8 = [0, 0.0, 0, 0.0]  # with quantized_activations: tokens, seconds, decode tokens, decode seconds
+    if args.compare_int8_activations:
+        jspec.generate(model, [ids[0]], sp, quantized_activations=True)
     common.hf_generate(hf, ids[0], 4, min_new_tokens=4)  # warm up
     rows, tot = [], {"jspec": [0, 0.0], "hf": [0, 0.0]}
     decode = [0, 0.0]  # jspec's tokens after the first, and the time after the first token (no prefill)
     same = 0
     for i, x in enumerate(ids):
         r = jspec.generate(model, [x], sp)
+        if args.compare_int8_activations:
+            q = jspec.generate(model, [x], sp, quantized_activations=True)
+            int8[0] += q.num_tokens
+            int8[1] += q.total_s
+            int8[2] += q.num_tokens - 1
+            int8[3] += q.total_s - q.ttft_s
         hf_toks, hf_s = common.hf_generate(hf, x, n, min_new_tokens=n)
         same += r.token_ids[0] == hf_toks
         tot["jspec"][0] += r.num_tokens
@@ -82,6 +94,10 @@ def main():
     d = decode[0] / decode[1]
     print(f"jspec's decode steps alone (time after the first token, no prefill): {1e3 / d:.1f} ms per token, "
           f"{d:.1f} tok/s = {d / floor:.0%} of the floor")
+    if args.compare_int8_activations:
+        qj, qd = int8[0] / int8[1], int8[2] / int8[3]
+        print(f"with int8 activations (quantized_activations): {qj:.1f} tok/s = {qj / j:.2f}x jspec's exact products, "
+              f"{qj / h:.2f}x transformers; decode steps {1e3 / qd:.1f} ms per token = {qd / floor:.0%} of the floor")
 
 
 def _covered(model):

@@ -194,3 +194,78 @@ def test_narrow_kv_pages_on_the_real_model(smollm2, hf_smollm2):
         assert llm.engine.runner.state.cache.k_pages[0].dtype == jnp.float16
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_int8_activations_on_the_real_model(smollm2, hf_smollm2):
+    """EngineConfig.quantized_activations: activations rounded to int8 a block of 32 move the
+    logits by about as much as fp8 KV pages (measured 1.0-1.4 of logits spanning 47-64; < 2.5
+    here), the argmax kept at >= 90% of positions; greedy n-gram speculation stays token-identical
+    to plain decoding with the same setting (the rounding amplifies any difference between a
+    verification step's rows and a decode step's: this caught XLA compiling RoPE differently in
+    different steps)."""
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward, with_small_row_weights
+
+    cfg = smollm2.config
+    params = with_small_row_weights(smollm2.params, quantized=smollm2.quantized, int8_dot=True)
+    for prompt in PROMPTS:
+        ids = smollm2.tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+        pages = -(-len(ids) // 16)
+        cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(pages, dtype=jnp.int32)[None],
+                           pages + 1, 16, jnp.float32)
+        got = np.asarray(jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="auto").logits)(
+            params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))[0])
+        err = np.abs(got - want).max()
+        assert 0.05 < err < 2.5, err  # moved (the float path is within 5e-4), and by little
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    sp = jspec.SamplingParams(max_tokens=48)
+    outs = []
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512,
+                        quantized_activations=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+_PREFILL_SCRIPT = """
+import numpy as np, jspec
+from jspec.config import SpecConfig
+from jspec.engine.bench import humaneval_prompts
+from jspec.engine.engine import LLMEngine
+from jspec.engine.generate import engine_config
+model = jspec.load_model("smollm2-135m")
+ids = model.tokenizer(humaneval_prompts(0, 1)[0])["input_ids"]  # 125 tokens: one 128-wide chunk
+sp = jspec.SamplingParams(max_tokens=40)
+pages = []
+for spec in (SpecConfig(), SpecConfig("ngram", 2)):
+    engine = LLMEngine(model, engine_config(model, [ids], sp, spec.num_speculative_tokens if spec.enabled else 0),
+                       spec)
+    r = engine.add_request("0", ids, sp)
+    while r.computed < len(ids) - 1:
+        engine.step()
+    cache = engine.runner.state.cache
+    pages.append([np.asarray(x)[:, r.pages].reshape(x.shape[0], -1, x.shape[-1])[:, :len(ids) - 1]
+                  for x in cache.k_pages + cache.v_pages])
+same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(*pages))
+print("same" if same else "differ")
+"""
+
+
+def test_engines_with_and_without_drafts_prefill_the_same_bits(smollm2):
+    """The prompt's K/V that a plain engine and a speculative one write in their prefill steps are
+    the same bit for bit (their steps differ around the prefill chunk: a decode segment of 1 or
+    k + 1 rows). XLA compiled RoPE's elementwise formula with FMAs in one and without in the other,
+    an ulp apart (now one C++ op, pallas_kernels.layer_tail.rotate). Run in a process with XLA's
+    optimizations on, as users run it (this suite turns them off to compile faster, and without
+    them nothing is contracted)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    ran = subprocess.run([sys.executable, "-c", _PREFILL_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().splitlines()[-1] == "same"
