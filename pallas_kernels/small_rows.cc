@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"  // JSPEC_AVX2_TILES: which tiles this build compiles
@@ -327,18 +328,27 @@ void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, in
 }
 #endif
 
+// tile(std::integral_constant<int, R>{}, m) for the rows of x [M, ...]: MAXR rows at a time from
+// m = 0, then one tile of the M % MAXR rows left (R a compile-time constant in every call).
+template <int R, typename F>
+void last_tile(int64_t left, int64_t m, F& tile) {
+  if constexpr (R >= 1) {
+    if (left == R) return tile(std::integral_constant<int, R>{}, m);
+    last_tile<R - 1>(left, m, tile);
+  }
+}
+
+template <int MAXR, typename F>
+void row_tiles(int64_t M, F&& tile) {
+  int64_t m = 0;
+  for (; m + MAXR <= M; m += MAXR) tile(std::integral_constant<int, MAXR>{}, m);
+  last_tile<MAXR - 1>(M - m, m, tile);
+}
+
 // Every row of x against the 4 weight rows of one quantized tile, kMaxRowsQuant rows of x at a time.
 template <Layout L>
 void qcolumn(const float* x, const uint8_t* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
-  int64_t m = 0;
-  for (; m + kMaxRowsQuant <= M; m += kMaxRowsQuant) qtile<L, kMaxRowsQuant>(x, wt, y, K, N, m, n);
-  switch (M - m) {
-    case 4: if constexpr (kMaxRowsQuant > 4) qtile<L, 4>(x, wt, y, K, N, m, n); break;
-    case 3: if constexpr (kMaxRowsQuant > 3) qtile<L, 3>(x, wt, y, K, N, m, n); break;
-    case 2: if constexpr (kMaxRowsQuant > 2) qtile<L, 2>(x, wt, y, K, N, m, n); break;
-    case 1: qtile<L, 1>(x, wt, y, K, N, m, n); break;
-    default: break;
-  }
+  row_tiles<kMaxRowsQuant>(M, [&](auto R, int64_t m) { qtile<L, R>(x, wt, y, K, N, m, n); });
 }
 
 template <Layout L>
@@ -461,18 +471,7 @@ void drows(const QuantRows& xq, const uint8_t* w, float* y, int64_t M, int64_t K
   const int64_t group = (K / jspec_cpu::kQuantBlock) * dot_group_bytes<L>();  // bytes of 16 rows
   for (int64_t n = n0; n < n1; n += jspec_cpu::kDotRows) {
     const uint8_t* wt = w + (n / jspec_cpu::kDotRows) * group;
-    int64_t m = 0;
-    for (; m + kMaxRowsDot <= M; m += kMaxRowsDot) dtile<L, kMaxRowsDot>(xq, wt, y, K, N, m, n);
-    switch (M - m) {
-      case 7: if constexpr (kMaxRowsDot > 7) dtile<L, 7>(xq, wt, y, K, N, m, n); break;
-      case 6: if constexpr (kMaxRowsDot > 6) dtile<L, 6>(xq, wt, y, K, N, m, n); break;
-      case 5: if constexpr (kMaxRowsDot > 5) dtile<L, 5>(xq, wt, y, K, N, m, n); break;
-      case 4: if constexpr (kMaxRowsDot > 4) dtile<L, 4>(xq, wt, y, K, N, m, n); break;
-      case 3: dtile<L, 3>(xq, wt, y, K, N, m, n); break;
-      case 2: dtile<L, 2>(xq, wt, y, K, N, m, n); break;
-      case 1: dtile<L, 1>(xq, wt, y, K, N, m, n); break;
-      default: break;
-    }
+    row_tiles<kMaxRowsDot>(M, [&](auto R, int64_t m) { dtile<L, R>(xq, wt, y, K, N, m, n); });
   }
 }
 
@@ -480,18 +479,7 @@ void drows(const QuantRows& xq, const uint8_t* w, float* y, int64_t M, int64_t K
 template <int C, int MAXR>
 void column(const float* x, const float* wt, float* y, int64_t M, int64_t K, int64_t N, int64_t n,
             int64_t step, int64_t jstride) {
-  int64_t m = 0;
-  for (; m + MAXR <= M; m += MAXR) tile<MAXR, C>(x, wt, y, K, N, m, n, step, jstride);
-  switch (M - m) {
-    case 7: if constexpr (MAXR > 7) tile<7, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 6: if constexpr (MAXR > 6) tile<6, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 5: if constexpr (MAXR > 5) tile<5, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 4: if constexpr (MAXR > 4) tile<4, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 3: tile<3, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 2: tile<2, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    case 1: tile<1, C>(x, wt, y, K, N, m, n, step, jstride); break;
-    default: break;
-  }
+  row_tiles<MAXR>(M, [&](auto R, int64_t m) { tile<R, C>(x, wt, y, K, N, m, n, step, jstride); });
 }
 
 // Weight rows n0 .. n1 (n0, n1 multiples of 4 in the packed and quantized layouts, of 16 in the

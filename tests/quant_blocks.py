@@ -34,3 +34,13 @@ def weights(qtype: str, n: int, k: int, seed: int = 0):
 
 def bits(a) -> np.ndarray:
     return np.asarray(a).view(np.uint32)
+
+
+def fused_operands(n: int, k: int, m: int, norm: bool, add: bool, seed: int = 4):
+    """x [m, k] and fused_small_rows' keywords: an RMSNorm gain [k] (if ``norm``), eps, a residual
+    [m, n] (if ``add``)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    kw = dict(scale=jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.float32) if norm else None, eps=1e-5,
+              residual=jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if add else None)
+    return x, kw

@@ -175,17 +175,14 @@ def test_gguf_keeps_the_blocks_the_small_row_kernel_reads(tmp_path, hf_dir, qtyp
     assert jspec.load_model(str(path), dtype="bfloat16", tokenizer=False).quantized == {}
 
 
-def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf_dir, monkeypatch):
-    """The same hidden states bit for bit from the quantized blocks as from float32 copies (a
-    5-row step through the whole-layer kernel), logits within rounding (this model's untied LM
-    head is XLA's product without the blocks, the kernel's with them), the same greedy tokens."""
+def _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, pick):
+    """The tiny model as a Q4_1 file, loaded, and a jitted step of 5 tokens from an empty cache on
+    the CPU kernels: params -> ``pick`` of forward's output."""
     import jax
     import jax.numpy as jnp
 
     from jspec.cache.paged import init_cache
-    from jspec.config import EngineConfig
-    from jspec.errors import ConfigError
-    from jspec.models.llama import forward, with_small_row_weights
+    from jspec.models.llama import forward
     from pallas_kernels import cpu_kernels
 
     if not cpu_kernels.available():
@@ -197,7 +194,18 @@ def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf
     cfg = model.config
     cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(4, dtype=jnp.int32)[None], 4, 16)
     tokens = jnp.array([[3, 17, 42, 7, 99]], jnp.int32)
-    step = jax.jit(lambda p: forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu")[:2])
+    return model, jax.jit(lambda p: pick(forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu")))
+
+
+def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf_dir, monkeypatch):
+    """The same hidden states bit for bit from the quantized blocks as from float32 copies (a
+    5-row step through the whole-layer kernel), logits within rounding (this model's untied LM
+    head is XLA's product without the blocks, the kernel's with them), the same greedy tokens."""
+    from jspec.config import EngineConfig
+    from jspec.errors import ConfigError
+    from jspec.models.llama import with_small_row_weights
+
+    model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out[:2])
     quant = with_small_row_weights(model.params, quantized=model.quantized)
     assert "lm_head_rows" in quant and "jspec_decoder_layer" in step.lower(quant).as_text()
     (logits, hidden), (want_logits, want_hidden) = step(quant), step(with_small_row_weights(model.params))
@@ -221,25 +229,12 @@ def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch)
     int8 dot layout; a step's logits move from the float32 products' by x's 8-bit rounding, and by
     little; greedy output is the same token for token whatever the step's rows: plain decoding of
     each prompt alone, of both together, and n-gram speculation (k + 1 rows a step)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jspec.cache.paged import init_cache
     from jspec.config import EngineConfig
     from jspec.errors import ConfigError
-    from jspec.models.llama import forward, with_small_row_weights
-    from pallas_kernels import cpu_kernels, small_rows
+    from jspec.models.llama import with_small_row_weights
+    from pallas_kernels import small_rows
 
-    if not cpu_kernels.available():
-        pytest.skip("no C++ compiler: the kernels are not built")
-    monkeypatch.setenv("JSPEC_CPU_KERNELS", "1")
-    path = tmp_path / "tiny-Q4_1.gguf"
-    write_gguf(path, hf_dir, "Q4_1")
-    model = jspec.load_model(str(path), tokenizer=False)
-    cfg = model.config
-    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(4, dtype=jnp.int32)[None], 4, 16)
-    tokens = jnp.array([[3, 17, 42, 7, 99]], jnp.int32)
-    step = jax.jit(lambda p: forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu").logits)
+    model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out.logits)
     int8 = with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True)
     assert "jspec_decoder_layer" in step.lower(int8).as_text()
     got, want = (np.asarray(step(p))[0] for p in (int8, with_small_row_weights(model.params,

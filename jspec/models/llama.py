@@ -201,16 +201,18 @@ def small_rows_apply(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows")
 
 
-def _few_rows(x, dtype, quantized: bool = False, int8_dot: bool = False) -> bool:
-    """Whether ``x`` [..., in] has :data:`KERNEL_ROWS` rows (:data:`QUANTIZED_KERNEL_ROWS` for a
-    weight in the quantized layout) for a product the kernel can run. A weight in the int8 dot
-    layout (``pallas_kernels.small_rows.pack_int8_dot``) takes any number of rows: its products
-    (x quantized to 8 bits) have no float32 twin in XLA, and a row's result must not depend on how
-    many rows its step has, or speculative output would part from plain decoding."""
-    if int8_dot:
-        return math.prod(x.shape[:-1]) >= 1 and small_rows_apply(dtype)
-    rows = QUANTIZED_KERNEL_ROWS if quantized else KERNEL_ROWS
-    return math.prod(x.shape[:-1]) in rows and small_rows_apply(dtype)
+def _few_rows(x, dtype, weights=()) -> bool:
+    """Whether ``x`` [..., in] has the rows for products by ``weights`` (their small-row forms; none:
+    a float32 table read as it is) that the kernel runs: :data:`KERNEL_ROWS`, or
+    :data:`QUANTIZED_KERNEL_ROWS` where all are in a quantized layout. Where all are in the int8 dot
+    layout (``pallas_kernels.small_rows.pack_int8_dot``), any number of rows: those products (x
+    rounded to 8 bits) have no float32 twin in XLA, and a row's result must not depend on how many
+    rows its step has, or speculative output would part from plain decoding."""
+    n = math.prod(x.shape[:-1])
+    if weights and all(small_rows.int8_dot(w) for w in weights):
+        return n >= 1 and small_rows_apply(dtype)
+    quantized = bool(weights) and all(small_rows.quantized_type(w) is not None for w in weights)
+    return n in (QUANTIZED_KERNEL_ROWS if quantized else KERNEL_ROWS) and small_rows_apply(dtype)
 
 
 class Linear(nn.Module):
@@ -228,8 +230,7 @@ class Linear(nn.Module):
         ``residual`` it is added to the result. On the small-row kernel both fold into its call."""
         x = x.astype(self.dtype)
         packed = self.get_variable("params", "weight") if self.has_variable("params", "weight") else None
-        kernel_path = packed is not None and _few_rows(x, self.dtype, small_rows.quantized_type(packed) is not None,
-                                                       small_rows.int8_dot(packed))
+        kernel_path = packed is not None and _few_rows(x, self.dtype, (packed,))
         if kernel_path and (norm is not None or residual is not None):
             y = small_rows.fused_small_rows(x, packed, self.features, scale=None if norm is None else norm[0],
                                             eps=0.0 if norm is None else norm[1], residual=residual)
@@ -252,7 +253,7 @@ def times_rows(x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = N
     vocabulary's embedding rows): a few float32 rows go through the CPU small-row kernel, which
     reads ``rows`` as they are (no packed copy), or ``quantized``, the same rows in its quantized
     layout, where given; anything else through XLA's product."""
-    if _few_rows(x, rows.dtype, quantized is not None, quantized is not None and small_rows.int8_dot(quantized)):
+    if _few_rows(x, rows.dtype, () if quantized is None else (quantized,)):
         return small_rows.small_rows_matmul(x.astype(jnp.float32), rows if quantized is None else quantized,
                                             rows.shape[0])
     return jnp.einsum("...k,nk->...n", x, rows, preferred_element_type=jnp.float32)
@@ -290,8 +291,10 @@ def int8_dot_weights(quantized: dict) -> dict:
     """Quantized-layout weights (keyed as :func:`with_small_row_weights` takes them) in the int8
     dot-product layout: the LM head's rows, and every projection whose rows are a multiple of 16
     (the layout's unit; the decoder-layer kernels take unpadded weights). Others stay as they are."""
-    return {k: small_rows.pack_int8_dot(w) if k == ("lm_head_rows",) or w.shape[0] * w.shape[2] % small_rows.DOT_ROWS == 0
-            else w for k, w in quantized.items()}
+    def fits(k, w):
+        return k == ("lm_head_rows",) or small_rows.packed_dims(w)[0] % small_rows.DOT_ROWS == 0
+
+    return {k: small_rows.pack_int8_dot(w) if fits(k, w) else w for k, w in quantized.items()}
 
 
 def projection_kernels(params, names: tuple[str, ...] = PROJECTIONS) -> dict[tuple[str, ...], jax.Array]:
@@ -443,8 +446,7 @@ class DecoderLayer(nn.Module):
         weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
         if any(w is None for w in weights):
             return False
-        return _few_rows(x, self.config.dtype, all(small_rows.quantized_type(w) is not None for w in weights),
-                         all(small_rows.int8_dot(w) for w in weights))
+        return _few_rows(x, self.config.dtype, weights)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -468,11 +470,11 @@ class LlamaForCausalLM(nn.Module):
         rows = self.variables.get("params", {}).get("lm_head_rows")  # quantized (with_small_row_weights)
         if self.config.tie_word_embeddings:
             # the tied table is already rows [V, H]: a few rows go through the CPU kernel, no copy
-            if _few_rows(hidden, self.config.dtype, rows is not None, rows is not None and small_rows.int8_dot(rows)):
+            if _few_rows(hidden, self.config.dtype, () if rows is None else (rows,)):
                 logits = times_rows(hidden, self.embed_tokens.embedding, rows)
             else:
                 logits = self.embed_tokens.attend(hidden)
-        elif rows is not None and _few_rows(hidden, self.config.dtype, True, small_rows.int8_dot(rows)):
+        elif rows is not None and _few_rows(hidden, self.config.dtype, (rows,)):
             logits = small_rows.small_rows_matmul(hidden.astype(jnp.float32), rows, self.config.vocab_size)
         else:
             logits = self.lm_head(hidden)

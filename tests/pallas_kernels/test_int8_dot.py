@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from attention_cases import Case, make_inputs
+from quant_blocks import bits, fused_operands, weights
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import decoder_layer, decoder_layer_reference, layer_tail, layer_tail_reference
 from pallas_kernels.small_rows import (
@@ -31,7 +32,6 @@ from pallas_kernels.small_rows import (
     quantized_type,
     small_rows_matmul,
 )
-from quant_blocks import bits, weights
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the kernel is not built")
 
@@ -106,10 +106,7 @@ def test_the_product_follows_its_reference_and_each_row_stands_alone(qtype, n, k
 def test_the_fused_product_quantizes_after_the_norm(norm, add):
     n, k, m = 96, 576, 5
     w, _ = dot_weights("q4_1", n, k, seed=3)
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-    kw = dict(scale=jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.float32) if norm else None, eps=1e-5,
-              residual=jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if add else None)
+    x, kw = fused_operands(n, k, m, norm, add)
     f = jax.jit(lambda x, w: fused_small_rows(x, w, n, **kw))
     assert FUSED_TARGET in f.lower(x, w).as_text()
     got, want = np.asarray(f(x, w)), np.asarray(fused_small_rows_reference(x, w, n, **kw))

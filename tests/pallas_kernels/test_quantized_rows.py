@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from attention_cases import Case, make_inputs
-from quant_blocks import bits, random_blocks, weights
+from quant_blocks import bits, fused_operands, random_blocks, weights
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import decoder_layer, layer_tail
 from pallas_kernels.small_rows import (
@@ -66,10 +66,7 @@ def test_the_product_equals_the_float_weights_bit_for_bit(qtype, n, k):
 def test_the_fused_product_equals_the_float_weights_bit_for_bit(norm, add):
     n, k, m = 96, 576, 5
     w, rows = weights("q4_1", n, k, seed=3)
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-    kw = dict(scale=jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.float32) if norm else None, eps=1e-5,
-              residual=jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if add else None)
+    x, kw = fused_operands(n, k, m, norm, add)
     f = jax.jit(lambda x, w: fused_small_rows(x, w, n, **kw))
     assert FUSED_TARGET in f.lower(x, w).as_text()
     assert (bits(f(x, w)) == bits(f(x, pack_rows(rows)))).all()
