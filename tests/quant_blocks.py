@@ -44,3 +44,21 @@ def fused_operands(n: int, k: int, m: int, norm: bool, add: bool, seed: int = 4)
     kw = dict(scale=jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.float32) if norm else None, eps=1e-5,
               residual=jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if add else None)
     return x, kw
+
+
+def verify_step_operands(hidden: int = 576):
+    """A decoder layer's operands besides its weights for a verification of 5 rows over a ragged
+    pair of sequences (SmolLM2's attention: 9 query heads, 3 KV heads of 64): x [10, hidden],
+    in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, gain."""
+    from attention_cases import Case, make_inputs
+
+    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(300, 40), q_lens=(5, 3), kv_heads=3)
+    _, k, v, tables, kv_lens, _ = make_inputs(case, seed=5)[0]
+    q_lens = jnp.asarray(case.q_lens, jnp.int32)
+    start = kv_lens - q_lens
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((10, hidden)), jnp.float32)
+    in_gain, gain = (jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32) for _ in range(2))
+    angles = (np.asarray(start)[:, None] + np.arange(5)[None, :]).reshape(-1, 1) * 0.1 ** np.arange(32)
+    cos, sin = (jnp.asarray(np.concatenate([fn(angles)] * 2, -1), jnp.float32) for fn in (np.cos, np.sin))
+    return x, in_gain, cos, sin, k, v, tables, start, q_lens, gain

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import Case, make_inputs
-from quant_blocks import bits, fused_operands, weights
+from quant_blocks import bits, fused_operands, verify_step_operands, weights
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import decoder_layer, decoder_layer_reference, layer_tail, layer_tail_reference
 from pallas_kernels.small_rows import (
@@ -121,16 +120,8 @@ def test_the_layer_kernels_on_int8_weights_follow_their_references():
     """decoder_layer and layer_tail (SmolLM2's shapes, a verification of 5 rows over a ragged pair
     of sequences) on int8-layout weights: the kernels quantize each product's input in their
     phases (the silu phase a block of 32 at a time) as the separate products do."""
-    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(300, 40), q_lens=(5, 3), kv_heads=3)
     hidden, inter, eps = 576, 1536, 1e-5
-    _, k, v, tables, kv_lens, _ = make_inputs(case, seed=5)[0]
-    q_lens = jnp.asarray(case.q_lens, jnp.int32)
-    start = kv_lens - q_lens
-    rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((10, hidden)), jnp.float32)
-    in_gain, gain = (jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32) for _ in range(2))
-    angles = (np.asarray(start)[:, None] + np.arange(5)[None, :]).reshape(-1, 1) * 0.1 ** np.arange(32)
-    cos, sin = (jnp.asarray(np.concatenate([fn(angles)] * 2, -1), jnp.float32) for fn in (np.cos, np.sin))
+    x, in_gain, cos, sin, k, v, tables, start, q_lens, gain = verify_step_operands(hidden)
     spec = (("q8_0", 15 * 64, hidden), ("q4_1", hidden, 9 * 64), ("q4_1", 2 * inter, hidden),
             ("q4_1", hidden, inter))
     ws = [dot_weights(t, n, kk, 6 + i)[0] for i, (t, n, kk) in enumerate(spec)]

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import Case, make_inputs
-from quant_blocks import bits, fused_operands, random_blocks, weights
+from quant_blocks import bits, fused_operands, random_blocks, verify_step_operands, weights
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import decoder_layer, layer_tail
 from pallas_kernels.small_rows import (
@@ -84,16 +83,8 @@ def test_the_layer_kernels_equal_the_float_weights_bit_for_bit():
     """layer_tail and decoder_layer (SmolLM2's shapes, a verification step of 5 rows over a
     ragged pair of sequences) give the same output and the same written pages from the
     quantized weights as from their float32 forms."""
-    case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(300, 40), q_lens=(5, 3), kv_heads=3)
     hidden, inter, eps = 576, 1536, 1e-5
-    _, k, v, tables, kv_lens, _ = make_inputs(case, seed=5)[0]
-    q_lens = jnp.asarray(case.q_lens, jnp.int32)
-    start = kv_lens - q_lens
-    rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((10, hidden)), jnp.float32)
-    in_gain, gain = (jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32) for _ in range(2))
-    angles = (np.asarray(start)[:, None] + np.arange(5)[None, :]).reshape(-1, 1) * 0.1 ** np.arange(32)
-    cos, sin = (jnp.asarray(np.concatenate([fn(angles)] * 2, -1), jnp.float32) for fn in (np.cos, np.sin))
+    x, in_gain, cos, sin, k, v, tables, start, q_lens, gain = verify_step_operands(hidden)
     quant, floats = _layer_weights(hidden, (9 + 6) * 64, 9 * 64, inter, seed=6)
     layer = jax.jit(lambda qkv, o, gu, dn: decoder_layer(x, qkv, in_gain, cos, sin, k, v, tables, start, q_lens,
                                                         o, gain, gu, dn, eps=eps))
