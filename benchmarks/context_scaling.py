@@ -4,6 +4,7 @@
                                          [--repeats 10] [--attention auto | xla,cpu]
                                          [--compare-small-row-weights]
                                          [--kv-cache-dtype float32,float16]
+                                         [--compare-int8-activations]
 
 For each context length an engine holds one request whose prompt is that many tokens of
 HumanEval text (problems concatenated), prefilled and decoded a few steps
@@ -22,6 +23,8 @@ small-row kernel reads); ``--compare-small-row-weights`` times them without the 
 (" (copy)") in the same rounds; ``--attention xla,cpu`` (several, comma-separated) times each
 attention implementation's steps in the same rounds, each on an engine of its own;
 ``--kv-cache-dtype float32,float16`` likewise each page dtype's (EngineConfig.kv_cache_dtype).
+``--compare-int8-activations`` adds the steps on the GGUF blocks in the int8 dot layout
+(" (int8)": EngineConfig.quantized_activations) in the same rounds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main():
                     help="also time every step with the small-row weight copy")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the pages' dtype; several, comma-separated (e.g. float32,float16), are timed side by side")
+    ap.add_argument("--compare-int8-activations", action="store_true",
+                    help="also time every step with int8 activations on the GGUF blocks")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     model = jspec.load_model()
@@ -64,6 +69,8 @@ def main():
     weights = {"": None}  # the engine's own parameters
     if args.compare_small_row_weights:
         weights = {" (no copy)": model.params, " (copy)": with_small_row_weights(model.params)}
+    if args.compare_int8_activations:
+        weights[" (int8)"] = with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True)
     attentions = [(a, kv) for a in args.attention.split(",") for kv in args.kv_cache_dtype.split(",")]
     variants = [(a, w) for a in attentions for w in weights]
     label = {(a, w): "".join(f" ({x})" for x, n in zip(a, (len(set(b[0] for b in attentions)),
