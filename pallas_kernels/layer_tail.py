@@ -170,8 +170,7 @@ def _rope_fwd(x3, c2, s2):
 
 
 def _rope_bwd(res, dy):
-    _, vjp = jax.vjp(rotate_reference, *res)
-    return vjp(dy)
+    return _reference_vjp(rotate_reference, res, (), dy)
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)

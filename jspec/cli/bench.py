@@ -17,7 +17,7 @@ import json
 import sys
 
 from jspec.cli.guard import EXIT_BUG
-from jspec.config import KV_CACHE_DTYPES
+from jspec.cli.numerics_args import add_numerics_arguments
 
 SUITES = ("humaneval",)
 DEFAULT_METHODS = "ar,ngram:4"
@@ -47,10 +47,7 @@ def add_bench_parser(sub, default_model: str, attention_choices) -> None:
     b.add_argument("--profile", action="store_true", help="also time draft / verify / plain steps apart")
     b.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    b.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the jspec methods' KV pages (default auto: the model's dtype)")
-    b.add_argument("--quantized-activations", action="store_true",
-                   help="the jspec methods multiply the GGUF blocks with int8 activations (EngineConfig)")
+    add_numerics_arguments(b)
     b.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (default 0: greedy, and tokens are checked against AR)")
     b.add_argument("--top-p", type=float, default=1.0)

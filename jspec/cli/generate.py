@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from jspec.cli.numerics_args import add_numerics_arguments
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
-from jspec.config import KV_CACHE_DTYPES
 
 PER_REQUEST_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
                       "num_speculative_tokens")
@@ -54,13 +54,7 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="slots decoded together (default: number of prompts, <= 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-tokens", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
-                        "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
-    g.add_argument("--quantized-activations", action="store_true",
-                   help="multiply the GGUF blocks as llama.cpp does: activations rounded to int8 a block of 32, "
-                        "integer dot products (faster verification; logits move slightly; speculative output "
-                        "still equals plain decoding with the same flag)")
+    add_numerics_arguments(g)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -21,8 +21,8 @@ import signal
 import socket
 import sys
 
+from jspec.cli.numerics_args import add_numerics_arguments
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
-from jspec.config import KV_CACHE_DTYPES
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
 
@@ -42,13 +42,7 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
                         f"{DEFAULT_MAX_MODEL_LEN})")
     s.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV page pool in tokens (default: every slot at --max-model-len)")
-    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the KV pages' dtype (vLLM's --kv-cache-dtype): auto = the model's; float16 / bfloat16 "
-                        "halve the cache and round K/V, fp8 (= fp8_e4m3) / fp8_e5m2 quarter it (default auto)")
-    s.add_argument("--quantized-activations", action="store_true",
-                   help="multiply the GGUF blocks as llama.cpp does: activations rounded to int8 a block of 32, "
-                        "integer dot products (faster verification; logits move slightly; speculative output "
-                        "still equals plain decoding with the same flag)")
+    add_numerics_arguments(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
     s.add_argument("--max-burst-steps", type=int, default=8,
