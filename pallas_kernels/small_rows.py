@@ -131,8 +131,8 @@ def packed_dims(w) -> tuple[int, int] | None:
 # float32 d [16], float32 m [16], then 4 vectors of 64 bytes whose byte 4 j + u of vector t is byte
 # 4 t + u of row j's nibbles (weights 4 t + u low, 16 + 4 t + u high); Q8_0 d [16], then 8 vectors
 # whose byte 4 j + u of vector t is row j's q[4 t + u] + 128. The product (small_rows.cc) quantizes
-# each row of x to int8 a block of 32 at a time (d = max |x| / 127, a = x / d rounded to nearest
-# even, as llama.cpp's Q8_1) and sums the integer products exactly: per block y += (dw dx) sum(q a)
+# each row of x to int8 a block of 32 at a time (d = max |x| / 127, a = x (127 / max |x|) rounded
+# to nearest even, as llama.cpp's Q8_1) and sums the integer products exactly: per block y += (dw dx) sum(q a)
 # (+ m dx sum(a) for Q4_1). Not bit for bit the float32 weight's product (x loses ~0.4% of its
 # block's largest entry), but each row's result is the same whatever rows it is computed with,
 # so speculative decoding stays token-identical to plain decoding on it. Bytes are the same as
