@@ -395,8 +395,13 @@ inline v16 vfma(v16 a, v16 b, v16 c) {
 typedef __m512i ivec;
 inline ivec izero() { return _mm512_setzero_si512(); }
 inline ivec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-// acc + the 4-byte dot products of w's unsigned bytes with a's 4 signed bytes, lane by lane
-inline ivec dot4(ivec acc, ivec w, int32_t a) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a)); }
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
+// acc + the 4-byte dot products of w's unsigned bytes with the 4 signed bytes at a, lane by lane.
+// (a read in place: a broadcast from memory is a load; from a register, as GCC compiled a copy of
+// x's bytes, it took a shuffle-port uop beside each dot product.)
+inline ivec dot4(ivec acc, ivec w, const int8_t* a) {
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(a)));
+}
 inline ivec low_nibbles(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline ivec high_nibbles(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
@@ -410,8 +415,10 @@ inline ivec iload(const uint8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline ivec dot4(ivec acc, ivec w, int32_t a) {
+inline ivec dot4(ivec acc, ivec w, const int8_t* bytes) {
   using jspec_cpu::i16v;
+  int32_t a;
+  std::memcpy(&a, bytes, sizeof a);
   i16v s = reinterpret_cast<i16v>(acc);
   for (int u = 0; u < 4; ++u)
     s += reinterpret_cast<i16v>((w >> (8 * u)) & 0xff) * static_cast<int32_t>(static_cast<int8_t>(a >> (8 * u)));
@@ -452,11 +459,10 @@ void dtile(const QuantRows& xq, const uint8_t* wt, float* y, int64_t K, int64_t 
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t at = (m + i) * nb + b;
-      int32_t a[8];
-      std::memcpy(a, xq.a.data() + (m + i) * K + b * jspec_cpu::kQuantBlock, sizeof a);
-      ivec s0 = dot4(izero(), w[0], a[0]), s1 = dot4(izero(), w[1], a[1]);
+      const int8_t* a = xq.a.data() + (m + i) * K + b * jspec_cpu::kQuantBlock;
+      ivec s0 = dot4(izero(), w[0], a), s1 = dot4(izero(), w[1], a + 4);
 #pragma GCC unroll 3
-      for (int t = 2; t < 8; t += 2) s0 = dot4(s0, w[t], a[t]), s1 = dot4(s1, w[t + 1], a[t + 1]);
+      for (int t = 2; t < 8; t += 2) s0 = dot4(s0, w[t], a + 4 * t), s1 = dot4(s1, w[t + 1], a + 4 * t + 4);
       ivec s = iadd(s0, s1);
       if constexpr (!q41) s = isub(s, xq.s128[at]);
       acc[i] = vfma(ifloat(s), dw * splat(xq.d[at]), acc[i]);
