@@ -238,26 +238,30 @@ from jspec.engine.generate import engine_config
 model = jspec.load_model("smollm2-135m")
 ids = model.tokenizer(humaneval_prompts(0, 1)[0])["input_ids"]  # 125 tokens: one 128-wide chunk
 sp = jspec.SamplingParams(max_tokens=40)
-pages = []
-for spec in (SpecConfig(), SpecConfig("ngram", 2)):
-    engine = LLMEngine(model, engine_config(model, [ids], sp, spec.num_speculative_tokens if spec.enabled else 0),
-                       spec)
-    r = engine.add_request("0", ids, sp)
-    while r.computed < len(ids) - 1:
-        engine.step()
-    cache = engine.runner.state.cache
-    pages.append([np.asarray(x)[:, r.pages].reshape(x.shape[0], -1, x.shape[-1])[:, :len(ids) - 1]
-                  for x in cache.k_pages + cache.v_pages])
-same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(*pages))
-print("same" if same else "differ")
+for tp in (1, 3):
+    pages = []
+    for spec in (SpecConfig(), SpecConfig("ngram", 2)):
+        config = engine_config(model, [ids], sp, spec.num_speculative_tokens if spec.enabled else 0,
+                               tensor_parallel_size=tp)
+        engine = LLMEngine(model, config, spec)
+        r = engine.add_request("0", ids, sp)
+        while r.computed < len(ids) - 1:
+            engine.step()
+        cache = engine.runner.state.cache
+        pages.append([np.asarray(x)[:, r.pages].reshape(x.shape[0], -1, x.shape[-1])[:, :len(ids) - 1]
+                      for x in cache.k_pages + cache.v_pages])
+    same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(*pages))
+    print(f"tp {tp}:", "same" if same else "differ")
 """
 
 
 def test_engines_with_and_without_drafts_prefill_the_same_bits(smollm2):
     """The prompt's K/V that a plain engine and a speculative one write in their prefill steps are
     the same bit for bit (their steps differ around the prefill chunk: a decode segment of 1 or
-    k + 1 rows). XLA compiled RoPE's elementwise formula with FMAs in one and without in the other,
-    an ulp apart (now one C++ op, pallas_kernels.layer_tail.rotate). Run in a process with XLA's
+    k + 1 rows), on one device and sharded over 3 (SmolLM2's 9 query and 3 KV heads). XLA compiled
+    RoPE's elementwise formula with FMAs in one and without in the other, an ulp apart (now one C++
+    op, pallas_kernels.layer_tail.rotate, run per device inside shard_map when sharded: with XLA's
+    formula the sharded engines' K/V differed from layer 1 on). Run in a process with XLA's
     optimizations on, as users run it (this suite turns them off to compile faster, and without
     them nothing is contracted)."""
     import os
@@ -265,7 +269,8 @@ def test_engines_with_and_without_drafts_prefill_the_same_bits(smollm2):
     import sys
 
     env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
-    ran = subprocess.run([sys.executable, "-c", _PREFILL_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    flags = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=3".strip()
+    ran = subprocess.run([sys.executable, "-c", _PREFILL_SCRIPT], capture_output=True, text=True, timeout=1200, env=env)
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.strip().splitlines()[-1] == "same"
+    assert ran.stdout.strip().splitlines()[-2:] == ["tp 1: same", "tp 3: same"]

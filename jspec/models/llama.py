@@ -76,12 +76,21 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax
             jnp.concatenate([jnp.sin(angles)] * 2, axis=-1).astype(dtype))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, kernel: bool = True) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]. ``kernel``: on the CPU the C++ op
-    (``pallas_kernels.layer_tail.rotate``: the same bits in every compiled step); False (a sharded
-    model, whose XLA partitioner cannot split a custom call): XLA's elementwise ops."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, tensor_parallel: int = 1,
+               heads: str = "heads") -> jax.Array:
+    """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]. On the CPU the C++ op
+    (``pallas_kernels.layer_tail.rotate``: the same bits in every compiled step, where XLA's
+    elementwise formula compiled with FMAs in some steps and not in others). With
+    ``tensor_parallel`` > 1 (x's ``heads`` axis sharded, ``"heads"`` or ``"kv_heads"``) each device
+    rotates its own heads with the op inside ``shard_map``: XLA's partitioner cannot split a
+    custom call, and the elementwise formula moved a sharded engine's prefill K/V by an ulp
+    between steps with and without drafts."""
     cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
-    return layer_tail.rotate(x, cos, sin) if kernel else layer_tail.rotate_reference(x, cos, sin)
+    if tensor_parallel == 1:
+        return layer_tail.rotate(x, cos, sin)
+    on_heads, rep = parallel.spec(("batch", "length", heads, "head_dim")), parallel.spec(())
+    return jax.shard_map(layer_tail.rotate, mesh=parallel.abstract_mesh(tensor_parallel),
+                         in_specs=(on_heads, rep, rep), out_specs=on_heads, check_vma=False)(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -330,9 +339,8 @@ class Attention(nn.Module):
         def qkv_of(part, shape, positions):  # [..., columns] -> rotated q, k and v [*shape, heads, D]
             part = part.reshape(*shape, tp, q_cols + 2 * kv_cols)
             q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
-            one = tp == 1
-            return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq, one),
-                    apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq, one),
+            return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq, tp),
+                    apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq, tp, "kv_heads"),
                     v.reshape(*shape, cfg.num_kv_heads, cfg.head_dim))
 
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
