@@ -431,6 +431,83 @@ inline ivec isub(ivec a, int32_t s) { return a - static_cast<uint32_t>(s); }
 inline v16 ifloat(ivec v) { return __builtin_convertvector(reinterpret_cast<jspec_cpu::i16v>(v), v16); }
 #endif
 
+#if defined(__AVX512VNNI__) || !defined(__AVX2__)
+// A block of the 16 weight rows in registers, and their integer sums with a block of x's bytes.
+template <Layout L>
+struct DotBlock {
+  ivec w[8];  // vector t: the 16 rows' weights 4 t .. 4 t + 3 (Q8_0: + 128)
+  explicit DotBlock(const uint8_t* rec) {
+    if constexpr (L == Layout::kQ4_1Dot) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const ivec v = iload(rec + 128 + 64 * t);
+        w[t] = low_nibbles(v), w[4 + t] = high_nibbles(v);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) w[t] = iload(rec + 64 + 64 * t);
+    }
+  }
+  // lane j: sum over the block of weight j's bytes times the 32 signed bytes at a, exactly
+  ivec sums(const int8_t* a) const {
+    ivec s0 = dot4(izero(), w[0], a), s1 = dot4(izero(), w[1], a + 4);
+#pragma GCC unroll 3
+    for (int t = 2; t < 8; t += 2) s0 = dot4(s0, w[t], a + 4 * t), s1 = dot4(s1, w[t + 1], a + 4 * t + 4);
+    return iadd(s0, s1);
+  }
+};
+#else
+// AVX2 without VNNI: vpmaddubsw multiplies unsigned bytes by signed ones and adds each pair into 16
+// bits, which saturate. Taken a nibble at a time the sums cannot: a pair is at most 2 * 15 * 128 =
+// 3,840 and the block's 8 pairs per lane at most 30,720 < 32,767, so they are added in 16 bits, then
+// vpmaddwd widens each lane's two halves to 32 (Q8_0's bytes as low + 16 high nibble). The exact
+// integer sums of the VNNI path (BENCHMARKS.md, twenty-eighth session: the 32-bit multiplies of the
+// plain fallback made an AVX2 build's int8 verification 2.3x slower than its float one).
+template <Layout L>
+struct DotBlock {
+  static constexpr int kParts = L == Layout::kQ4_1Dot ? 1 : 2;  // nibble vectors per 4 weights
+  alignas(32) uint8_t nib[kParts][8][64];  // [part][t]: as the layout's vector t, a nibble a byte
+  explicit DotBlock(const uint8_t* rec) {
+    const __m256i low = _mm256_set1_epi8(15);
+    auto put = [&](int p, int t, int h, __m256i v) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nib[p][t] + 32 * h), v);
+    };
+    for (int t = 0; t < (kParts == 1 ? 4 : 8); ++t)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (kParts == 1 ? 128 : 64) +
+                                                                             64 * t + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kParts == 1) {
+          put(0, t, h, lo), put(0, 4 + t, h, hi);
+        } else {
+          put(0, t, h, lo), put(1, t, h, hi);
+        }
+      }
+  }
+  ivec sums(const int8_t* a) const {
+    __m256i x[8];
+    for (int t = 0; t < 8; ++t) {
+      int32_t four;
+      std::memcpy(&four, a + 4 * t, sizeof four);
+      x[t] = _mm256_set1_epi32(four);
+    }
+    __m256i out[2];
+    for (int h = 0; h < 2; ++h) {
+      out[h] = _mm256_setzero_si256();
+      for (int p = 0; p < kParts; ++p) {
+        auto w = [&](int t) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(nib[p][t] + 32 * h)); };
+        __m256i s16 = _mm256_maddubs_epi16(w(0), x[0]);
+        for (int t = 1; t < 8; ++t) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w(t), x[t]));
+        out[h] = _mm256_add_epi32(out[h], _mm256_madd_epi16(s16, _mm256_set1_epi16(p == 0 ? 1 : 16)));
+      }
+    }
+    ivec r;
+    std::memcpy(&r, out, sizeof r);
+    return r;
+  }
+};
+#endif
+
 template <Layout L, int R>
 void dtile(const QuantRows& xq, const uint8_t* wt, float* y, int64_t K, int64_t N, int64_t m, int64_t n) {
   constexpr bool q41 = L == Layout::kQ4_1Dot;
@@ -445,25 +522,11 @@ void dtile(const QuantRows& xq, const uint8_t* wt, float* y, int64_t K, int64_t 
     for (int64_t p = 0; p < GB; p += 64) __builtin_prefetch(rec + kPrefetchBytes + p, 0, 2);
     const v16 dw = load(reinterpret_cast<const float*>(rec));
     const v16 mw = q41 ? load(reinterpret_cast<const float*>(rec + 64)) : v16{};
-    ivec w[8];
-    if constexpr (q41) {
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const ivec v = iload(rec + 128 + 64 * t);
-        w[t] = low_nibbles(v), w[4 + t] = high_nibbles(v);
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) w[t] = iload(rec + 64 + 64 * t);
-    }
+    const DotBlock<L> block(rec);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t at = (m + i) * nb + b;
-      const int8_t* a = xq.a.data() + (m + i) * K + b * jspec_cpu::kQuantBlock;
-      ivec s0 = dot4(izero(), w[0], a), s1 = dot4(izero(), w[1], a + 4);
-#pragma GCC unroll 3
-      for (int t = 2; t < 8; t += 2) s0 = dot4(s0, w[t], a + 4 * t), s1 = dot4(s1, w[t + 1], a + 4 * t + 4);
-      ivec s = iadd(s0, s1);
+      ivec s = block.sums(xq.a.data() + (m + i) * K + b * jspec_cpu::kQuantBlock);
       if constexpr (!q41) s = isub(s, xq.s128[at]);
       acc[i] = vfma(ifloat(s), dw * splat(xq.d[at]), acc[i]);
       if constexpr (q41) acc[i] = vfma(mw, splat(xq.ds[at]), acc[i]);

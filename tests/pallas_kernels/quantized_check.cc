@@ -69,11 +69,17 @@ int check_dot(jspec_cpu::Layout layout, int64_t N, int64_t K) {
     }
     for (int64_t i = q41 ? 128 : 64; i < GB; ++i) r[i] = std::rand() & 0xff;
   }
+  // the largest sums a block can have: rows 0-15's first block all 0xff (nibbles 15, Q8_0's q 127)
+  for (int64_t i = q41 ? 128 : 64; i < GB; ++i) w[i] = 0xff;
   for (int64_t M = 1; M <= 19; M += (M < 10 ? 1 : 9)) {
     std::vector<float> x(M * K), y1(M * N), y2(M * N);
     for (auto& v : x) v = (std::rand() % 2001 - 1000) * 1e-3f * (std::rand() % 8 == 0 ? 30.f : 1.f);
     for (int64_t k = 0; k < K; k += 97) x[k] = 0.f;  // a few zeros; a whole zero block in row 0:
     for (int64_t k = 32; k < 64 && k < K; ++k) x[k] = 0.f;
+    for (int64_t k = 0; k < 32; ++k) {  // ... against x's first block all 127 (row 0) and all -127 (row 1)
+      x[k] = 1.f;
+      if (M > 1) x[K + k] = -1.f;
+    }
     jspec_cpu::QuantRows xq;
     xq.quantize_all(x.data(), M, K);
     rows(x.data(), {w.data(), layout}, y1.data(), M, K, N, 0, N, &xq);
