@@ -363,9 +363,9 @@ void qrows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int
 // summed exactly in 16 int32 lanes (lane j: weight row j), 4 products a lane an instruction
 // (AVX512-VNNI vpdpbusd: unsigned weight bytes times signed bytes of x, 4 of them broadcast to every
 // lane), then y_j += (dw_j dx) sum_j, and for Q4_1 y_j += m_j (dx sum(a)), as two FMAs in that
-// order. Without VNNI the same sums come from 32-bit multiplies: the same bits (the integer sums are
-// exact, the float steps the same operations). A weight's 16 rows are unpacked once for up to 8 rows
-// of x.
+// order. Without VNNI the same sums come from AVX2's vpmaddubsw (DotBlock below) or, on older CPUs,
+// 32-bit multiplies: the same bits (the integer sums are exact, the float steps the same
+// operations). A weight's 16 rows are unpacked once for up to 8 rows of x.
 using jspec_cpu::QuantRows;
 
 template <Layout L>

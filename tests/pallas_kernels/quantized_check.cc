@@ -54,7 +54,7 @@ int check(jspec_cpu::Layout layout, int64_t N, int64_t K) {
 // The int8 dot layouts against their definition, written here as plain scalar code: each row of x
 // quantized a block of 32 (d = max |x| / 127, a = x (127 / max |x|) to nearest even), the block's
 // integer sums, then y += fma(sum, dw d, y) (+ fma(m, d sum(a), y) for Q4_1), block after block.
-// Every build (the VNNI tiles, the 32-bit multiplies elsewhere) must give these bits.
+// Every build (the VNNI tiles, AVX2's vpmaddubsw, the 32-bit multiplies elsewhere) must give these bits.
 int check_dot(jspec_cpu::Layout layout, int64_t N, int64_t K) {
   const bool q41 = layout == jspec_cpu::Layout::kQ4_1Dot;
   const int64_t NB = K / 32, GB = 16 * (q41 ? jspec_cpu::kQ4_1Record : jspec_cpu::kQ8_0Record);
