@@ -158,15 +158,16 @@ int stream(int M, Mode mode) {
     if (layout != Layout::kPacked && layout != Layout::kPlain) {  // random q, d and m small
       const bool q41 = layout == Layout::kQ4_1 || layout == Layout::kQ4_1Dot;
       const int64_t rb = q41 ? jspec_cpu::kQ4_1Record : jspec_cpu::kQ8_0Record;
-      const int64_t rows = dot ? 16 : 1;  // a record's d (and m) per row: 16 rows' side by side in a dot layout
+      // the scales: a record's d (and m) first; in a dot layout a block's 16 rows' d [16] (and m [16])
+      const int64_t rows = dot ? 16 : 1, m_at = dot ? 64 : 4;
       records.emplace_back(N * (K / jspec_cpu::kQuantBlock) * rb);
       auto& r = records.back();
       for (size_t i = 0; i < r.size(); ++i) r[i] = std::rand() & 0xff;
       for (size_t i = 0; i < r.size(); i += rb * rows) {
         const float d = 1e-3f, m = -8e-3f;
         for (int64_t j = 0; j < rows; ++j) {
-          std::memcpy(&r[i + 4 * j * (dot ? 1 : 0)], &d, 4);
-          if (q41) std::memcpy(&r[i + (dot ? 64 + 4 * j : 4)], &m, 4);
+          std::memcpy(&r[i + 4 * j], &d, 4);
+          if (q41) std::memcpy(&r[i + m_at + 4 * j], &m, 4);
         }
       }
       products.push_back({{r.data(), layout}, K, N});
