@@ -24,6 +24,38 @@ PROMPTS = [
 ]
 
 
+def _hf_logits(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def _logits(model, ids, attention: str, params=None, dtype=jnp.float32, tables=None, pool=None) -> np.ndarray:
+    """jspec's logits [T, V] for one prompt's forward on fresh pages (``tables`` [1, pages] of a pool
+    of ``pool`` pages of 16 tokens, ``dtype``; default: pages 0 .. n - 1 and one spare)."""
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    cfg = model.config
+    pages = -(-len(ids) // 16)
+    tables = jnp.arange(pages, dtype=jnp.int32)[None] if tables is None else tables
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 1 if pool is None else pool,
+                       16, dtype)
+    got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention=attention).logits)(
+        model.params if params is None else params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
+    return np.asarray(got[0])
+
+
+def _plain_and_ngram_tokens(model, max_tokens: int, **llm_kwargs) -> tuple[list, list]:
+    """Greedy tokens of PROMPTS[:2] from a plain LLM and an n-gram k = 4 one with ``llm_kwargs``,
+    and the two LLMs."""
+    sp = jspec.SamplingParams(max_tokens=max_tokens)
+    outs, llms = [], []
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llms.append(jspec.LLM(model, speculative_config=config, max_num_seqs=2, max_model_len=512, **llm_kwargs))
+        outs.append([o.outputs[0].token_ids for o in llms[-1].generate(PROMPTS[:2], sp, use_tqdm=False)])
+    return outs, llms
+
+
 def test_config_from_gguf(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
@@ -31,19 +63,11 @@ def test_config_from_gguf(smollm2):
 
 
 def test_logits_match_transformers(smollm2, hf_smollm2):
-    from jspec.cache import init_cache
-    from jspec.models.llama import forward
-
-    cfg = smollm2.config
     ids = smollm2.tokenizer(PROMPTS[0])["input_ids"]
-    with torch.no_grad():
-        want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
+    want = _hf_logits(hf_smollm2, ids)
     pages = -(-len(ids) // 16)
     tables = jnp.asarray(np.random.default_rng(0).permutation(pages + 2)[:pages], jnp.int32)[None]
-    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 2, 16)
-    got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="reference").logits)(
-        smollm2.params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
-    got = np.asarray(got[0])
+    got = _logits(smollm2, ids, "reference", tables=tables, pool=pages + 2)
     assert np.abs(got - want).max() <= 5e-4
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
@@ -168,31 +192,17 @@ def test_narrow_kv_pages_on_the_real_model(smollm2, hf_smollm2):
     reference attention and the CPU kernel alike, every position's argmax as transformers' on
     float16 (>= 90% on the others); and greedy n-gram speculation stays token-identical to plain
     decoding on the same pages."""
-    from jspec.cache import init_cache
-    from jspec.models.llama import forward
-
-    cfg = smollm2.config
     ids = smollm2.tokenizer(PROMPTS[0])["input_ids"]
-    with torch.no_grad():
-        want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
-    pages = -(-len(ids) // 16)
-    tables = jnp.arange(pages, dtype=jnp.int32)[None]
+    want = _hf_logits(hf_smollm2, ids)
     for dtype, bound in ((jnp.float16, 0.05), (jnp.bfloat16, 0.25), (jnp.float8_e4m3fn, 4.0)):
         for attention in ("reference", "auto"):
-            cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 1, 16, dtype)
-            got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention=attention).logits)(
-                smollm2.params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
-            err = np.abs(np.asarray(got[0]) - want).max()
+            got = _logits(smollm2, ids, attention, dtype=dtype)
+            err = np.abs(got - want).max()
             assert 1e-4 < err < bound, (dtype, attention, err)  # moved, and by little
-            agree = (np.asarray(got[0]).argmax(-1) == want.argmax(-1)).mean()
+            agree = (got.argmax(-1) == want.argmax(-1)).mean()
             assert agree == 1.0 if dtype == jnp.float16 else agree >= 0.9, (dtype, attention, agree)
-    sp = jspec.SamplingParams(max_tokens=32)
-    outs = []
-    for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512,
-                        kv_cache_dtype="float16")
-        assert llm.engine.runner.state.cache.k_pages[0].dtype == jnp.float16
-        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)])
+    outs, llms = _plain_and_ngram_tokens(smollm2, 32, kv_cache_dtype="float16")
+    assert llms[0].engine.runner.state.cache.k_pages[0].dtype == jnp.float16
     assert outs[0] == outs[1]
 
 
@@ -203,29 +213,17 @@ def test_int8_activations_on_the_real_model(smollm2, hf_smollm2):
     to plain decoding with the same setting (the rounding amplifies any difference between a
     verification step's rows and a decode step's: this caught XLA compiling RoPE differently in
     different steps)."""
-    from jspec.cache import init_cache
-    from jspec.models.llama import forward, with_small_row_weights
+    from jspec.models.llama import with_small_row_weights
 
-    cfg = smollm2.config
     params = with_small_row_weights(smollm2.params, quantized=smollm2.quantized, int8_dot=True)
     for prompt in PROMPTS:
         ids = smollm2.tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            want = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
-        pages = -(-len(ids) // 16)
-        cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(pages, dtype=jnp.int32)[None],
-                           pages + 1, 16, jnp.float32)
-        got = np.asarray(jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention="auto").logits)(
-            params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))[0])
+        want = _hf_logits(hf_smollm2, ids)
+        got = _logits(smollm2, ids, "auto", params=params)
         err = np.abs(got - want).max()
         assert 0.05 < err < 2.5, err  # moved (the float path is within 5e-4), and by little
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
-    sp = jspec.SamplingParams(max_tokens=48)
-    outs = []
-    for config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        llm = jspec.LLM(smollm2, speculative_config=config, max_num_seqs=2, max_model_len=512,
-                        quantized_activations=True)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)])
+    outs, _ = _plain_and_ngram_tokens(smollm2, 48, quantized_activations=True)
     assert outs[0] == outs[1]
 
 
