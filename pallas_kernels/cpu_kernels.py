@@ -44,7 +44,7 @@ HEADERS = (HERE / "cpu_common.h", HERE / "small_rows.h", HERE / "paged_attention
 TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_small_rows_fused": "JspecSmallRowsFused",
            "jspec_paged_attention": "JspecPagedAttention", "jspec_layer_tail": "JspecLayerTail",
            "jspec_decoder_layer": "JspecDecoderLayer", "jspec_row_argmax": "JspecRowArgmax",
-           "jspec_rope": "JspecRope"}
+           "jspec_rope": "JspecRope", "jspec_decoder_stack": "JspecDecoderStack"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 

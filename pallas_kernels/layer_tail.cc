@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cpu_common.h"
@@ -165,6 +166,129 @@ ffi::Error LayerTailImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   return ffi::Error::Success();
 }
 
+// One decoder layer's operands, checked: its packed weights, gains and pages (read from `k_in` /
+// `v_in`, written at `kp` / `vp`: the aliased results), and the shapes of its step.
+struct LayerShapes {
+  jspec_cpu::AttentionShapes s;
+  jspec_cpu::PageType type;
+  int64_t M, H, QS, KS, NQ, I;
+};
+
+struct LayerOperands {
+  Packed qkv, o, gu, dn;
+  const float *in_gain, *gain;
+  const void *k_in, *v_in;
+  void *kp, *vp;
+  int64_t page_bytes;
+};
+
+ffi::Error layer_operands(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& qkv_w,
+                          const ffi::Buffer<ffi::F32>& in_gain, const ffi::Buffer<ffi::F32>& cos,
+                          const ffi::Buffer<ffi::F32>& sin, const ffi::AnyBuffer& k_pages,
+                          const ffi::AnyBuffer& v_pages, const ffi::Buffer<ffi::S32>& block_tables,
+                          const ffi::Buffer<ffi::S32>& start, const ffi::Buffer<ffi::S32>& q_lens,
+                          const ffi::AnyBuffer& o_w, const ffi::Buffer<ffi::F32>& gain,
+                          const ffi::AnyBuffer& gate_up_w, const ffi::AnyBuffer& down_w, ffi::AnyBuffer& k_out,
+                          ffi::AnyBuffer& v_out, LayerShapes& l, LayerOperands& op) {
+  const auto kd = k_pages.dimensions(), td = block_tables.dimensions(), xd = x.dimensions();
+  if (kd.size() != 4 || td.size() != 2 || xd.size() != 2 || cos.dimensions().size() != 2 ||
+      !packed_shape(qkv_w, op.qkv)) {
+    return ffi::Error::InvalidArgument("decoder_layer: expected x [M, H], packed qkv, cos [M, D], pages [KVH, P, S, D], "
+                                       "block_tables [B, W]");
+  }
+  const int64_t KVH = kd[0], P = kd[1], S = kd[2], D = kd[3], B = td[0], W = td[1];
+  const int64_t M = xd[0], H = xd[1], KS = KVH * D, QS = op.qkv.N - 2 * KS;
+  if (B == 0 || M % B || QS <= 0 || QS % D || op.qkv.K != H || in_gain.element_count() != H || D % 2 || D > 256 ||
+      cos.element_count() != M * D || sin.element_count() != M * D || start.element_count() != B ||
+      q_lens.element_count() != B || v_pages.element_count() != k_pages.element_count() ||
+      v_pages.element_type() != k_pages.element_type() || k_out.element_type() != k_pages.element_type() ||
+      v_out.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("decoder_layer: shapes or page dtypes disagree");
+  }
+  if (!jspec_cpu::page_type(k_pages.element_type(), l.type)) {
+    return ffi::Error::InvalidArgument("decoder_layer: pages must be float32, float16, bfloat16 or 8-bit floats");
+  }
+  const int64_t T = M / B, Hq = QS / D;
+  if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
+  l.s = jspec_cpu::AttentionShapes{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
+  int64_t M2, H2, QS2;
+  if (auto e = tail_shapes(l.s, x, o_w, gain, gate_up_w, down_w, op.o, op.gu, op.dn, M2, H2, QS2, l.I); e.failure()) {
+    return e;
+  }
+  l.M = M, l.H = H, l.QS = QS, l.KS = KS, l.NQ = op.qkv.N;
+  op.in_gain = in_gain.typed_data(), op.gain = gain.typed_data();
+  op.k_in = k_pages.untyped_data(), op.v_in = v_pages.untyped_data();
+  op.kp = k_out.untyped_data(), op.vp = v_out.untyped_data();
+  op.page_bytes = static_cast<int64_t>(k_pages.size_bytes());
+  return ffi::Error::Success();
+}
+
+// The buffers of a decoder layer's phases, shared by the layers of a stack (their phases run one
+// after another).
+struct LayerBuffers {
+  std::vector<float> q, xn, qkv_rows;
+  jspec_cpu::QuantRows xq;  // xn quantized, for an int8 dot layout
+  TailBuffers tail;
+  explicit LayerBuffers(const LayerShapes& l)
+      : q(l.M * l.QS), xn(l.M * l.H), qkv_rows(l.M * l.NQ), tail(l.M, l.QS, l.H, l.I) {}
+};
+
+// What the layers of a step share: the rows' positions (cos / sin [M, D]) and the pages' tables.
+struct StepRows {
+  const float *cos, *sin;
+  const int32_t *tables, *start, *q_lens;
+};
+
+// The pages written in place: copied first should XLA not have aliased them.
+void alias_pages(const LayerOperands& op) {
+  if (op.kp != op.k_in) std::memcpy(op.kp, op.k_in, op.page_bytes);
+  if (op.vp != op.v_in) std::memcpy(op.vp, op.v_in, op.page_bytes);
+}
+
+// Appends a decoder layer's phases: x [M, H] -> out [M, H], k and v written into the pages (the
+// plan's attention reads them after).
+void layer_phases(std::vector<jspec_cpu::Phase>& phases, const LayerShapes& l, const LayerOperands& op,
+                  const StepRows& r, LayerBuffers& b, jspec_cpu::AttentionPlan& plan, const float* x, float* out,
+                  float eps) {
+  using jspec_cpu::Phase;
+  const int64_t M = l.M, H = l.H, NQ = l.NQ, QS = l.QS, KS = l.KS, D = l.s.D, T = l.s.T, Hq = l.s.Hq,
+                KVH = l.s.KVH, P = l.s.P, S = l.s.S, W = l.s.W;
+  const jspec_cpu::Weight wq = op.qkv.w;
+  const float* g = op.in_gain;
+  const jspec_cpu::PageType type = l.type;
+  void *kp = op.kp, *vp = op.vp;
+  phases.push_back(Phase{1, [=, &b](int64_t) {
+                           jspec_cpu::rms_norm_rows(x, g, b.xn.data(), M, H, H, eps);
+                           if (jspec_cpu::int8_dot(wq.layout)) b.xq.quantize_all(b.xn.data(), M, H);
+                         }});
+  phases.push_back(Phase{jspec_cpu::product_chunks(NQ),
+                         [=, &b](int64_t c) {
+                           jspec_cpu::product_chunk(b.xn.data(), wq, b.qkv_rows.data(), nullptr, M, H, NQ, c, &b.xq);
+                         },
+                         wq.data, jspec_cpu::weight_bytes(wq, NQ, H)});
+  phases.push_back(Phase{M, [=, &b](int64_t m) {  // row m = (b, t): rotate q and k, write k and v
+    const float* row = b.qkv_rows.data() + m * NQ;
+    const float *c = r.cos + m * D, *sn = r.sin + m * D;
+    auto rotate = [&](const float* in, float* o) { rotate_half(in, c, sn, o, D); };
+    for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, b.q.data() + m * QS + h * D);
+    const int64_t bi = m / T, t = m % T;
+    if (t >= r.q_lens[bi]) return;
+    const int64_t pos = r.start[bi] + t, slot = pos / S;
+    if (pos < 0 || slot >= W) return;
+    const int64_t page = r.tables[bi * W + slot];
+    if (page < 0 || page >= P) return;
+    float k_rot[256];  // D <= 256 (attention_shapes)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t at = ((h * P + page) * S + pos % S) * D;
+      rotate(row + QS + h * D, k_rot);
+      const float* v = row + QS + KS + h * D;
+      jspec_cpu::write_page_row(type, kp, at, k_rot, D);
+      jspec_cpu::write_page_row(type, vp, at, v, D);
+    }
+  }});
+  tail_phases(phases, plan, b.tail, x, op.o, op.gain, op.gu, op.dn, out, M, QS, H, l.I, eps);
+}
+
 // The whole decoder layer: RMSNorm(x; in_gain) through the packed QKV product [(Hq + 2 KVH) D, H],
 // RoPE on q and k (rotate-half, cos and sin [M, D] of each row's position), k and v written into
 // the pages (rows t < q_lens[b], at position start[b] + t; a slot past the table or a page id
@@ -179,80 +303,80 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             ffi::AnyBuffer gate_up_w, ffi::AnyBuffer down_w,
                             ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
                             ffi::Result<ffi::AnyBuffer> v_out, float eps) {
-  const auto kd = k_pages.dimensions(), td = block_tables.dimensions(), xd = x.dimensions();
-  Packed qkv;
-  if (kd.size() != 4 || td.size() != 2 || xd.size() != 2 || cos.dimensions().size() != 2 || !packed_shape(qkv_w, qkv)) {
-    return ffi::Error::InvalidArgument("decoder_layer: expected x [M, H], packed qkv, cos [M, D], pages [KVH, P, S, D], "
-                                       "block_tables [B, W]");
+  LayerShapes l;
+  LayerOperands op;
+  if (auto e = layer_operands(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain,
+                              gate_up_w, down_w, *k_out, *v_out, l, op);
+      e.failure()) {
+    return e;
   }
-  const int64_t KVH = kd[0], P = kd[1], S = kd[2], D = kd[3], B = td[0], W = td[1];
-  const int64_t M = xd[0], H = xd[1], KS = KVH * D, QS = qkv.N - 2 * KS;
-  if (B == 0 || M % B || QS <= 0 || QS % D || qkv.K != H || in_gain.element_count() != H || D % 2 || D > 256 ||
-      cos.element_count() != M * D || sin.element_count() != M * D || start.element_count() != B ||
-      q_lens.element_count() != B || v_pages.element_count() != k_pages.element_count() ||
-      v_pages.element_type() != k_pages.element_type() || k_out->element_type() != k_pages.element_type() ||
-      v_out->element_type() != k_pages.element_type()) {
-    return ffi::Error::InvalidArgument("decoder_layer: shapes or page dtypes disagree");
+  const StepRows r{cos.typed_data(), sin.typed_data(), block_tables.typed_data(), start.typed_data(),
+                   q_lens.typed_data()};
+  std::vector<int32_t> kv_lens(l.s.B);
+  for (int64_t b = 0; b < l.s.B; ++b) kv_lens[b] = r.start[b] + r.q_lens[b];
+  alias_pages(op);
+  LayerBuffers b(l);
+  jspec_cpu::AttentionPlan plan(l.s, b.q.data(), op.kp, op.vp, l.type, r.tables, kv_lens.data(), r.q_lens);
+  std::vector<jspec_cpu::Phase> phases;
+  layer_phases(phases, l, op, r, b, plan, x.typed_data(), out->typed_data(), eps);
+  jspec_cpu::run_phases(pool, std::move(phases));
+  return ffi::Error::Success();
+}
+
+// The decoder layers of a step, one after another, in one call: x [M, H] through L layers (each
+// as DecoderLayerImpl, the same arithmetic and bits), the operands after the step's shared ones 8
+// per layer (qkv_w, in_gain, o_w, gain, gate_up_w, down_w, k_pages, v_pages), the results after
+// out 2 per layer (k_pages, v_pages, written in place). The pool's helper is scheduled once for
+// the step's 30 x 10 phases, not once a layer, and a thread without work at a layer's end reads
+// the next layer's first weight ahead.
+ffi::Error DecoderStackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                            ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> q_lens, ffi::RemainingArgs layers,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::RemainingRets pages, float eps) {
+  const size_t L = layers.size() / 8;
+  if (L == 0 || layers.size() % 8 || pages.size() != 2 * L) {
+    return ffi::Error::InvalidArgument("decoder_stack: expected 8 operands and 2 results (the pages) per layer");
   }
-  jspec_cpu::PageType type;
-  if (!jspec_cpu::page_type(k_pages.element_type(), type)) {
-    return ffi::Error::InvalidArgument("decoder_layer: pages must be float32, float16, bfloat16 or 8-bit floats");
-  }
-  const int64_t T = M / B, Hq = QS / D;
-  if (Hq % KVH) return ffi::Error::InvalidArgument("decoder_layer: query heads must be a multiple of KV heads");
-  const jspec_cpu::AttentionShapes s{B, T, Hq, D, KVH, P, S, W, Hq / KVH};
-  int64_t M2, H2, QS2, I;
-  Packed o, gu, dn;
-  if (auto e = tail_shapes(s, x, o_w, gain, gate_up_w, down_w, o, gu, dn, M2, H2, QS2, I); e.failure()) return e;
-  std::vector<float> q(M * QS), xn(M * H), qkv_rows(M * qkv.N);
-  jspec_cpu::QuantRows xq;  // xn quantized, for an int8 dot layout
-  std::vector<int32_t> kv_lens(B);
-  const int32_t* st = start.typed_data();
-  const int32_t* ql = q_lens.typed_data();
-  for (int64_t b = 0; b < B; ++b) kv_lens[b] = st[b] + ql[b];
-  void* kp = k_out->untyped_data();  // the pages, aliased: written in place (copied first should XLA not alias)
-  void* vp = v_out->untyped_data();
-  if (kp != k_pages.untyped_data()) std::memcpy(kp, k_pages.untyped_data(), k_pages.size_bytes());
-  if (vp != v_pages.untyped_data()) std::memcpy(vp, v_pages.untyped_data(), v_pages.size_bytes());
-  jspec_cpu::AttentionPlan plan(s, q.data(), kp, vp, type, block_tables.typed_data(), kv_lens.data(), ql);
-  TailBuffers b(M, QS, H, I);
-  const float *xp = x.typed_data(), *g = in_gain.typed_data();
-  const jspec_cpu::Weight wq = qkv.w;
-  const float *cp = cos.typed_data(), *sp = sin.typed_data();
-  const int32_t* tables = block_tables.typed_data();
-  const int64_t NQ = qkv.N;
-  using jspec_cpu::Phase;
-  std::vector<Phase> phases;
-  phases.push_back(Phase{1, [&, M, H](int64_t) {
-                           jspec_cpu::rms_norm_rows(xp, g, xn.data(), M, H, H, eps);
-                           if (jspec_cpu::int8_dot(wq.layout)) xq.quantize_all(xn.data(), M, H);
-                         }});
-  phases.push_back(Phase{jspec_cpu::product_chunks(NQ),
-                         [&, M, H, NQ](int64_t c) {
-                           jspec_cpu::product_chunk(xn.data(), wq, qkv_rows.data(), nullptr, M, H, NQ, c, &xq);
-                         },
-                         wq.data, jspec_cpu::weight_bytes(wq, NQ, H)});
-  phases.push_back(Phase{M, [&](int64_t m) {  // row m = (b, t): rotate q and k, write k and v
-    const float* row = qkv_rows.data() + m * NQ;
-    const float *c = cp + m * D, *sn = sp + m * D;
-    auto rotate = [&](const float* in, float* o) { rotate_half(in, c, sn, o, D); };
-    for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, q.data() + m * QS + h * D);
-    const int64_t bi = m / T, t = m % T;
-    if (t >= ql[bi]) return;
-    const int64_t pos = st[bi] + t, slot = pos / S;
-    if (pos < 0 || slot >= W) return;
-    const int64_t page = tables[bi * W + slot];
-    if (page < 0 || page >= P) return;
-    float k_rot[256];  // D <= 256 (attention_shapes)
-    for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t at = ((h * P + page) * S + pos % S) * D;
-      rotate(row + QS + h * D, k_rot);
-      const float* v = row + QS + KS + h * D;
-      jspec_cpu::write_page_row(type, kp, at, k_rot, D);
-      jspec_cpu::write_page_row(type, vp, at, v, D);
+  std::vector<LayerOperands> ops(L);
+  LayerShapes l;
+  for (size_t i = 0; i < L; ++i) {
+    auto a = [&](size_t j) { return layers.get<ffi::AnyBuffer>(8 * i + j); };
+    auto f = [&](size_t j) { return layers.get<ffi::Buffer<ffi::F32>>(8 * i + j); };
+    auto qkv = a(0), o = a(2), gu = a(4), dn = a(5), kp = a(6), vp = a(7);
+    auto in_gain = f(1), gain = f(3);
+    auto ko = pages.get<ffi::AnyBuffer>(2 * i), vo = pages.get<ffi::AnyBuffer>(2 * i + 1);
+    if (!qkv.has_value() || !in_gain.has_value() || !o.has_value() || !gain.has_value() || !gu.has_value() ||
+        !dn.has_value() || !kp.has_value() || !vp.has_value() || !ko.has_value() || !vo.has_value()) {
+      return ffi::Error::InvalidArgument("decoder_stack: a layer's gains must be float32 [H]");
     }
-  }});
-  tail_phases(phases, plan, b, xp, o, gain.typed_data(), gu, dn, out->typed_data(), M, QS, H, I, eps);
+    LayerShapes li;
+    if (auto e = layer_operands(x, *qkv, *in_gain, cos, sin, *kp, *vp, block_tables, start, q_lens, *o, *gain, *gu,
+                                *dn, **ko, **vo, li, ops[i]);
+        e.failure()) {
+      return e;
+    }
+    if (i == 0) {
+      l = li;
+    } else if (std::memcmp(&li.s, &l.s, sizeof(l.s)) || li.type != l.type || li.I != l.I || li.NQ != l.NQ) {
+      return ffi::Error::InvalidArgument("decoder_stack: the layers' shapes or page dtypes differ");
+    }
+  }
+  const StepRows r{cos.typed_data(), sin.typed_data(), block_tables.typed_data(), start.typed_data(),
+                   q_lens.typed_data()};
+  std::vector<int32_t> kv_lens(l.s.B);
+  for (int64_t b = 0; b < l.s.B; ++b) kv_lens[b] = r.start[b] + r.q_lens[b];
+  LayerBuffers b(l);
+  std::vector<float> stream[2] = {std::vector<float>(l.M * l.H), std::vector<float>(l.M * l.H)};
+  std::vector<std::unique_ptr<jspec_cpu::AttentionPlan>> plans;
+  std::vector<jspec_cpu::Phase> phases;
+  for (size_t i = 0; i < L; ++i) {
+    alias_pages(ops[i]);
+    plans.push_back(std::make_unique<jspec_cpu::AttentionPlan>(l.s, b.q.data(), ops[i].kp, ops[i].vp, l.type,
+                                                              r.tables, kv_lens.data(), r.q_lens));
+    const float* in = i == 0 ? x.typed_data() : stream[(i - 1) % 2].data();
+    float* o = i + 1 == L ? out->typed_data() : stream[i % 2].data();
+    layer_phases(phases, l, ops[i], r, b, *plans.back(), in, o, eps);
+  }
   jspec_cpu::run_phases(pool, std::move(phases));
   return ffi::Error::Success();
 }
@@ -319,4 +443,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderLayer, DecoderLayerImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]
                                   .Ret<ffi::AnyBuffer>()          // k_pages, written (aliased)
                                   .Ret<ffi::AnyBuffer>()          // v_pages, written (aliased)
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecDecoderStack, DecoderStackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, H]: the first layer's input
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [M, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start [B]: cache lengths before
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_lens [B]
+                                  .RemainingArgs()                // per layer: qkv, in_gain, o, gain, gate_up, down,
+                                                                  //   k_pages, v_pages (as JspecDecoderLayer's)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, H]: the last layer's output
+                                  .RemainingRets()                // per layer: k_pages, v_pages, written (aliased)
                                   .Attr<float>("eps"));

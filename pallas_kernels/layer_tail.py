@@ -36,6 +36,7 @@ from pallas_kernels.small_rows import (LANES, PACK_ROWS, check_small_rows_args, 
 
 TARGET = "jspec_layer_tail"
 LAYER_TARGET = "jspec_decoder_layer"
+STACK_TARGET = "jspec_decoder_stack"
 
 
 
@@ -228,15 +229,10 @@ def _layer_kernel(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, s
         eps=np.float32(eps)))
 
 
-def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w,
-                  down_w, eps: float):
-    """A Llama decoder layer for a few rows in one kernel call: ``x`` [B T, H] through RMSNorm
-    (``in_gain``) and the packed QKV product ``qkv_w`` [(Hq + 2 KVH) D, H], RoPE on q and k with
-    ``cos`` / ``sin`` [B T, D], k and v written into the pages (rows t < ``q_lens[b]`` at
-    position ``start[b] + t``, as :func:`pallas_kernels.paged_verify_attention.write_kv`), then
-    :func:`layer_tail`. Returns (out [B T, H], k_pages, v_pages); on the kernel the pages are
-    written in place (donate them, or XLA copies them first). Where the kernel does not apply
-    (:func:`decoder_layer_applies`), and for gradients, :func:`decoder_layer_reference`."""
+def check_decoder_layer_args(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain,
+                             gate_up_w, down_w) -> tuple[int, int, int, int]:
+    """Raises ValueError where :func:`decoder_layer`'s operands disagree; returns the queries'
+    shape [B, T, Hq, D]."""
     b = block_tables.shape[0]
     if x.ndim != 2 or x.shape[0] % b:
         raise ValueError(f"decoder_layer: x must be [B * T, H] for B = {b}, got shape {x.shape}")
@@ -254,6 +250,20 @@ def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, s
         raise ValueError(f"decoder_layer: in_gain must be [{x.shape[-1]}], got shape {in_gain.shape}")
     check_layer_tail_args(jax.ShapeDtypeStruct(q_shape, x.dtype), k_pages, v_pages, block_tables, start + q_lens,
                           q_lens, x, o_w, gain, gate_up_w, down_w)
+    return q_shape
+
+
+def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w,
+                  down_w, eps: float):
+    """A Llama decoder layer for a few rows in one kernel call: ``x`` [B T, H] through RMSNorm
+    (``in_gain``) and the packed QKV product ``qkv_w`` [(Hq + 2 KVH) D, H], RoPE on q and k with
+    ``cos`` / ``sin`` [B T, D], k and v written into the pages (rows t < ``q_lens[b]`` at
+    position ``start[b] + t``, as :func:`pallas_kernels.paged_verify_attention.write_kv`), then
+    :func:`layer_tail`. Returns (out [B T, H], k_pages, v_pages); on the kernel the pages are
+    written in place (donate them, or XLA copies them first). Where the kernel does not apply
+    (:func:`decoder_layer_applies`), and for gradients, :func:`decoder_layer_reference`."""
+    q_shape = check_decoder_layer_args(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens,
+                                       o_w, gain, gate_up_w, down_w)
     args = (x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w)
     if not decoder_layer_applies(q_shape, x, qkv_w, k_pages, o_w, gate_up_w, down_w):
         return decoder_layer_reference(*args, eps=eps)
@@ -280,3 +290,86 @@ def _layer_bwd(eps, res, dy):
 
 
 _layer.defvjp(_layer_fwd, _layer_bwd)
+
+
+# ---------------------------------------------------------------------------- the layers of a step
+def decoder_stack_reference(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps: float):
+    """:func:`decoder_stack` as :func:`decoder_layer_reference` once a layer."""
+    k_pages, v_pages = list(k_pages), list(v_pages)
+    for i, (qkv_w, in_gain, o_w, gain, gate_up_w, down_w) in enumerate(layers):
+        x, k_pages[i], v_pages[i] = decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages[i], v_pages[i],
+                                                            block_tables, start, q_lens, o_w, gain, gate_up_w,
+                                                            down_w, eps)
+    return x, tuple(k_pages), tuple(v_pages)
+
+
+def decoder_stack_applies(q_shape, x, layers, k_pages, v_pages) -> bool:
+    """Whether :func:`decoder_stack` runs on the kernel: :func:`decoder_layer_applies` for every
+    layer, all with the same shapes and page dtype."""
+    if not layers or len(layers) != len(k_pages) or len(layers) != len(v_pages):
+        return False
+    first = (layers[0][0].shape, layers[0][0].dtype, k_pages[0].shape, k_pages[0].dtype)
+    return all((qkv_w.shape, qkv_w.dtype, k.shape, k.dtype) == first and v.shape == k.shape and v.dtype == k.dtype
+               and decoder_layer_applies(q_shape, x, qkv_w, k, o_w, gate_up_w, down_w)
+               for (qkv_w, _, o_w, _, gate_up_w, down_w), k, v in zip(layers, k_pages, v_pages))
+
+
+def _stack_kernel(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, *, eps):
+    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    flat = []
+    for layer, k, v in zip(layers, k_pages, v_pages):
+        flat += [*layer, k, v]
+        outs += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    aliases = {}
+    for i in range(len(layers)):  # operand 6 + 8 i + 6 (k) and + 7 (v) -> results 1 + 2 i, 2 + 2 i
+        aliases[12 + 8 * i], aliases[13 + 8 * i] = 1 + 2 * i, 2 + 2 * i
+    out, *pages = jax.ffi.ffi_call(STACK_TARGET, outs, vmap_method="sequential", input_output_aliases=aliases)(
+        x, cos, sin, block_tables, start, q_lens, *flat, eps=np.float32(eps))
+    return out, tuple(pages[0::2]), tuple(pages[1::2])
+
+
+def decoder_stack(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps: float):
+    """The decoder layers of a step in one kernel call: ``x`` [B T, H] through the layers
+    ``layers`` (per layer the operands of :func:`decoder_layer`: (qkv_w, in_gain, o_w, gain,
+    gate_up_w, down_w)), layer i writing its k and v into ``k_pages[i]`` / ``v_pages[i]``, each as
+    :func:`decoder_layer` computes it (the same bits). Returns (out [B T, H], k_pages, v_pages),
+    the pages written in place on the kernel (donate them). A step of SmolLM2-135M made 30 layer
+    calls, the pool's helper thread joining each; here it joins once. Where the kernel does not
+    apply (:func:`decoder_stack_applies`), :func:`decoder_layer` once a layer; for gradients,
+    :func:`decoder_stack_reference`."""
+    layers = tuple(tuple(layer) for layer in layers)
+    k_pages, v_pages = tuple(k_pages), tuple(v_pages)
+    if not layers or len(layers) != len(k_pages) or len(layers) != len(v_pages):
+        raise ValueError(f"decoder_stack: {len(layers)} layers, {len(k_pages)} K and {len(v_pages)} V page arrays")
+    q_shape = [check_decoder_layer_args(x, qkv_w, in_gain, cos, sin, k, v, block_tables, start, q_lens, o_w, gain,
+                                        gate_up_w, down_w)
+               for (qkv_w, in_gain, o_w, gain, gate_up_w, down_w), k, v in zip(layers, k_pages, v_pages)][0]
+    args = (x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages)
+    if not decoder_stack_applies(q_shape, x, layers, k_pages, v_pages):
+        out, k_pages, v_pages = x, list(k_pages), list(v_pages)
+        for i, (qkv_w, in_gain, o_w, gain, gate_up_w, down_w) in enumerate(layers):
+            out, k_pages[i], v_pages[i] = decoder_layer(out, qkv_w, in_gain, cos, sin, k_pages[i], v_pages[i],
+                                                        block_tables, start, q_lens, o_w, gain, gate_up_w, down_w, eps)
+        return out, tuple(k_pages), tuple(v_pages)
+    return _stack(*args, float(eps))
+
+
+_STACK_INTS = (3, 4, 5)  # block_tables, start, q_lens: no cotangents
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _stack(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps):
+    args = (x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages)
+    return jax.lax.platform_dependent(*args, cpu=functools.partial(_stack_kernel, eps=eps),
+                                      default=functools.partial(decoder_stack_reference, eps=eps))
+
+
+def _stack_fwd(*args):
+    return _stack(*args), args[:9]
+
+
+def _stack_bwd(eps, res, dy):
+    return _reference_vjp(functools.partial(decoder_stack_reference, eps=eps), res, _STACK_INTS, dy)
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)

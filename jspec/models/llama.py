@@ -449,12 +449,16 @@ class DecoderLayer(nn.Module):
         projections' packed weights present, one device. Same values up to float rounding."""
         if self.is_initializing() or self.config.tensor_parallel != 1:
             return False
-        p = self.variables.get("params", {})
-        names = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
-        weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
-        if any(w is None for w in weights):
-            return False
-        return _few_rows(x, self.config.dtype, weights)
+        weights = _packed_projections(self.variables.get("params", {}))
+        return weights is not None and _few_rows(x, self.config.dtype, weights)
+
+
+def _packed_projections(p) -> Optional[list]:
+    """A decoder layer's packed (small-row) qkv, o, gate/up and down weights from its parameters
+    ``p``, or None where one is missing."""
+    names = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+    weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
+    return None if any(w is None for w in weights) else weights
 
 
 class LlamaForCausalLM(nn.Module):
@@ -488,6 +492,27 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
 
+    def _stack(self, x, metas, k_pages, v_pages, n: int) -> Optional[list]:
+        """The operands of the first ``n`` layers for one kernel call
+        (pallas_kernels.layer_tail.decoder_stack), or None where they would not each run as one
+        (DecoderLayer._folds, Attention._layer_fuses): one segment of a few rows, the cpu
+        attention, one device, no QKV bias, every layer's packed weights fitting the kernel."""
+        cfg = self.config
+        if (n == 0 or self.is_initializing() or len(metas) != 1 or self.attention != "cpu" or cfg.tensor_parallel != 1 or cfg.qkv_bias
+                or metas[0].shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
+            return None
+        params, layers = self.variables["params"], []
+        for i in range(n):
+            p = params[f"layers_{i}"]
+            weights = _packed_projections(p)
+            if weights is None or not _few_rows(x, cfg.dtype, weights):
+                return None
+            qkv_w, o_w, gate_up_w, down_w = weights
+            layers.append((qkv_w, p["input_layernorm"]["scale"], o_w, p["post_attention_layernorm"]["scale"],
+                           gate_up_w, down_w))
+        q_shape = (*metas[0].shape, cfg.num_heads, cfg.head_dim)
+        return layers if layer_tail.decoder_stack_applies(q_shape, x, layers, k_pages, v_pages) else None
+
     def __call__(self, segments: tuple[Segment, ...], cache: PagedKVCache, num_layers: Optional[int] = None,
                  logits_for: tuple[bool, ...] = (True,), feature_layers: tuple[int, ...] = ()):
         n = self.config.num_layers if num_layers is None else num_layers
@@ -496,7 +521,15 @@ class LlamaForCausalLM(nn.Module):
             if len(segments) > 1 else self.embed(segments[0].tokens).reshape(-1, self.config.hidden_size)
         k_all, v_all = list(cache.k_pages), list(cache.v_pages)
         taken = {}
-        for i in range(n):
+        stack = None if feature_layers else self._stack(x, metas, k_all[:n], v_all[:n], n)
+        if stack is not None:
+            (m,) = metas
+            cos, sin = rope_cos_sin(m.positions.reshape(-1), rope_inv_freq(self.config), x.dtype)
+            with jax.named_scope("decoder_stack"):
+                x, k_all[:n], v_all[:n] = layer_tail.decoder_stack(x, cos, sin, m.block_tables, m.start, m.q_lens,
+                                                                   stack, k_all[:n], v_all[:n],
+                                                                   self.config.rms_norm_eps)
+        for i in range(0 if stack is None else n, n):
             with jax.named_scope(f"layer_{i}"):
                 x, k_all[i], v_all[i] = self.layers[i](x, metas, k_all[i], v_all[i])
             if i in feature_layers:

@@ -14,13 +14,17 @@ from attention_cases import Case, make_inputs
 from pallas_kernels import cpu_kernels
 from pallas_kernels.layer_tail import (
     LAYER_TARGET,
+    STACK_TARGET,
     TARGET,
     decoder_layer,
     decoder_layer_reference,
+    decoder_stack,
+    decoder_stack_reference,
     layer_tail,
     layer_tail_reference,
 )
-from pallas_kernels.small_rows import pack_rows
+from pallas_kernels.small_rows import pack_int8_dot, pack_rows
+from quant_blocks import weights as quantized_weights
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
 
@@ -314,3 +318,96 @@ def test_the_whole_layer_ropes_as_the_rope_op_does():
     page = int(np.asarray(table)[0, 30 // 16])
     got = np.asarray(k_out)[:, page, 30 % 16:30 % 16 + 2]  # positions 30, 31 on the page
     assert np.array_equal(got.transpose(1, 0, 2).view(np.uint32), k_sep[:2].view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- the layers of a step
+STACK_CASE = Case(t=3, group=3, head_dim=32, page_size=8, kv_lens=(40, 3), q_lens=(3, 2), kv_heads=2)
+
+
+def _stack_operands(kind: str, layers: int = 3, page_dtype=jnp.float32):
+    """decoder_stack's operands for ``layers`` layers of distinct weights (``kind``: packed float32,
+    GGUF Q4_1 / Q8_0 blocks, or those blocks in the int8 dot layout) over poisoned pages (one
+    copy per layer): (x, cos, sin, tables, start, q_lens, layers, k_pages, v_pages)."""
+    args, _ = _layer_operands(STACK_CASE, 64, 128, seed=3)
+    x, _, _, cos, sin, k, v, tables, start, q_lens, *_ = args
+    hq_d, kv_d, hidden, inter = 3 * 2 * 32, 2 * 32, 64, 128
+    rng = np.random.default_rng(7)
+
+    def weight(n, k, seed):
+        if kind == "f32":
+            return pack_rows(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)) / np.sqrt(k))
+        w, _ = quantized_weights("q4_1" if seed % 2 else "q8_0", n, k, seed)
+        return jnp.asarray(pack_int8_dot(w)) if kind == "int8" else w
+
+    stack = [(weight(hq_d + 2 * kv_d, hidden, 10 * i), jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32),
+              weight(hidden, hq_d, 10 * i + 1), jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32),
+              weight(2 * inter, hidden, 10 * i + 2), weight(hidden, inter, 10 * i + 3)) for i in range(layers)]
+    pages = lambda a: tuple(jnp.array(a.astype(page_dtype), copy=True) for _ in range(layers))  # noqa: E731
+    return x, cos, sin, tables, start, q_lens, stack, pages(k), pages(v)
+
+
+def _layer_by_layer(x, cos, sin, tables, start, q_lens, stack, k_pages, v_pages):
+    k_pages, v_pages = list(k_pages), list(v_pages)
+    for i, (qkv, in_gain, o, gain, gate_up, down) in enumerate(stack):
+        x, k_pages[i], v_pages[i] = decoder_layer(x, qkv, in_gain, cos, sin, k_pages[i], v_pages[i], tables, start,
+                                                  q_lens, o, gain, gate_up, down, EPS)
+    return x, k_pages, v_pages
+
+
+@pytest.mark.parametrize("kind,page_dtype", [("f32", jnp.float32), ("quantized", jnp.float16),
+                                             ("int8", jnp.float32), ("int8", jnp.float8_e5m2)])
+def test_stack_is_its_layers_one_after_another(kind, page_dtype):
+    """One call for the step's layers gives the bits of one call a layer (the output and every
+    layer's pages, poisoned slots included), and the reference's values within rounding."""
+    args = _stack_operands(kind, page_dtype=page_dtype)
+    stacked = jax.jit(lambda *a: decoder_stack(*a, eps=EPS))
+    text = stacked.lower(*args).as_text()
+    assert STACK_TARGET in text and LAYER_TARGET not in text
+    out, k, v = stacked(*args)
+    want_out, want_k, want_v = jax.jit(_layer_by_layer)(*args)
+    assert np.array_equal(out, want_out)
+    for got, want in zip((*k, *v), (*want_k, *want_v)):
+        assert got.dtype == page_dtype
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert not np.array_equal(k[0], args[7][0]), "nothing was written"
+    if kind != "int8":  # (the int8 products round x to 8 bits: no float32 reference to hold them to)
+        ref_out, _, _ = decoder_stack_reference(*args, eps=EPS)
+        assert np.isfinite(np.asarray(out)).all(), "the kernel read a poisoned value"
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-4 * np.abs(ref_out).max())
+
+
+def test_stack_falls_back_to_a_call_a_layer_and_lowers_on_the_cpu_only():
+    args = _stack_operands("f32", layers=2)
+    x, cos, sin, tables, start, q_lens, stack, k, v = args
+    f = jax.jit(lambda *a: decoder_stack(*a, eps=EPS))
+    for platform in ("cuda", "rocm"):
+        assert STACK_TARGET not in f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    # layers whose pages differ in dtype cannot share the call: one call a layer, the same values
+    mixed = (x, cos, sin, tables, start, q_lens, stack, (k[0], k[1].astype(jnp.float16)),
+             (v[0], v[1].astype(jnp.float16)))
+    text = f.lower(*mixed).as_text()
+    assert STACK_TARGET not in text and text.count(LAYER_TARGET) == 2
+    out, _, _ = f(*mixed)
+    want, _, _ = jax.jit(_layer_by_layer)(*mixed)
+    assert np.array_equal(out, want)
+
+
+def test_stack_gradient_is_the_references_and_bad_operands_are_value_errors():
+    args = _stack_operands("f32", layers=2)
+    x, cos, sin, tables, start, q_lens, stack, k, v = args
+    clean = tuple(jnp.nan_to_num(p) for p in k), tuple(jnp.nan_to_num(p) for p in v)
+
+    def loss(fn, x, qkv0):
+        layers = [(qkv0, *stack[0][1:]), stack[1]]
+        out, ks, _ = fn(x, cos, sin, tables, start, q_lens, layers, *clean, eps=EPS)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(ks[1]))
+
+    got = jax.grad(lambda *p: loss(decoder_stack, *p), argnums=(0, 1))(x, stack[0][0])
+    want = jax.grad(lambda *p: loss(decoder_stack_reference, *p), argnums=(0, 1))(x, stack[0][0])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="2 layers, 1 K"):
+        decoder_stack(x, cos, sin, tables, start, q_lens, stack, k[:1], v, eps=EPS)
+    bad = [stack[0], (stack[1][0], stack[1][1][:8], *stack[1][2:])]
+    with pytest.raises(ValueError, match="in_gain must be"):
+        decoder_stack(x, cos, sin, tables, start, q_lens, bad, k, v, eps=EPS)
