@@ -116,6 +116,7 @@ OP_CATEGORIES = (
     ("attention", r"/verify_attention/"),
     ("layer_tail", r"/layer_tail/"),
     ("decoder_layer", r"/decoder_layer/"),
+    ("decoder_stack", r"/decoder_stack/"),
     ("kv_write", r"/kv_write/"),
     ("norms", r"layernorm|/norm/|RMSNorm"),
     ("rope+elementwise", r"/layer_\d+/"),
