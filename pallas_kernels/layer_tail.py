@@ -109,17 +109,6 @@ def layer_tail(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain,
     return _tail(*args, float(eps))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
-def _tail(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w, eps):
-    args = (q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(_kernel, eps=eps),
-                                      default=functools.partial(layer_tail_reference, eps=eps))
-
-
-def _tail_fwd(*args):
-    return _tail(*args), args[:11]
-
-
 def _reference_vjp(reference, res, ints, dy):
     """The reference's cotangents for the float operands in ``res``; None for the integer ones."""
     floats = [i for i in range(len(res)) if i not in ints]
@@ -135,14 +124,29 @@ def _reference_vjp(reference, res, ints, dy):
     return tuple(grads.get(i) for i in range(len(res)))
 
 
-_TAIL_INTS = (3, 4, 5)  # block_tables, kv_lens, q_lens: no cotangents
+def _kernel_or_reference(kernel, reference, n: int, ints: tuple[int, ...]):
+    """fn(*arrays, eps) for ``n`` operands (pytrees): ``kernel`` on the CPU, ``reference``
+    elsewhere, both taking ``eps``; its gradients are the reference's, none for the operands at
+    ``ints`` (integers)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(n,))
+    def call(*args):
+        *arrays, eps = args
+        return jax.lax.platform_dependent(*arrays, cpu=functools.partial(kernel, eps=eps),
+                                          default=functools.partial(reference, eps=eps))
+
+    def fwd(*args):
+        return call(*args), args[:n]
+
+    def bwd(eps, res, dy):
+        return _reference_vjp(functools.partial(reference, eps=eps), res, ints, dy)
+
+    call.defvjp(fwd, bwd)
+    return call
 
 
-def _tail_bwd(eps, res, dy):
-    return _reference_vjp(functools.partial(layer_tail_reference, eps=eps), res, _TAIL_INTS, dy)
-
-
-_tail.defvjp(_tail_fwd, _tail_bwd)
+# block_tables, kv_lens, q_lens: no cotangents
+_tail = _kernel_or_reference(_kernel, layer_tail_reference, 11, (3, 4, 5))
 
 
 # ---------------------------------------------------------------------------- the whole layer
@@ -270,26 +274,8 @@ def decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, s
     return _layer(*args, float(eps))
 
 
-_LAYER_INTS = (7, 8, 9)  # block_tables, start, q_lens: no cotangents
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(14,))
-def _layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w,
-           eps):
-    args = (x, qkv_w, in_gain, cos, sin, k_pages, v_pages, block_tables, start, q_lens, o_w, gain, gate_up_w, down_w)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(_layer_kernel, eps=eps),
-                                      default=functools.partial(decoder_layer_reference, eps=eps))
-
-
-def _layer_fwd(*args):
-    return _layer(*args), args[:14]
-
-
-def _layer_bwd(eps, res, dy):
-    return _reference_vjp(functools.partial(decoder_layer_reference, eps=eps), res, _LAYER_INTS, dy)
-
-
-_layer.defvjp(_layer_fwd, _layer_bwd)
+# block_tables, start, q_lens: no cotangents
+_layer = _kernel_or_reference(_layer_kernel, decoder_layer_reference, 14, (7, 8, 9))
 
 
 # ---------------------------------------------------------------------------- the layers of a step
@@ -354,22 +340,5 @@ def decoder_stack(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_p
     return _stack(*args, float(eps))
 
 
-_STACK_INTS = (3, 4, 5)  # block_tables, start, q_lens: no cotangents
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _stack(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps):
-    args = (x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages)
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(_stack_kernel, eps=eps),
-                                      default=functools.partial(decoder_stack_reference, eps=eps))
-
-
-def _stack_fwd(*args):
-    return _stack(*args), args[:9]
-
-
-def _stack_bwd(eps, res, dy):
-    return _reference_vjp(functools.partial(decoder_stack_reference, eps=eps), res, _STACK_INTS, dy)
-
-
-_stack.defvjp(_stack_fwd, _stack_bwd)
+# block_tables, start, q_lens: no cotangents
+_stack = _kernel_or_reference(_stack_kernel, decoder_stack_reference, 9, (3, 4, 5))
