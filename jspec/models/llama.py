@@ -498,8 +498,8 @@ class LlamaForCausalLM(nn.Module):
         (DecoderLayer._folds, Attention._layer_fuses): one segment of a few rows, the cpu
         attention, one device, no QKV bias, every layer's packed weights fitting the kernel."""
         cfg = self.config
-        if (n == 0 or self.is_initializing() or len(metas) != 1 or self.attention != "cpu" or cfg.tensor_parallel != 1 or cfg.qkv_bias
-                or metas[0].shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
+        if (n == 0 or self.is_initializing() or len(metas) != 1 or self.attention != "cpu"
+                or cfg.tensor_parallel != 1 or cfg.qkv_bias or metas[0].shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
             return None
         params, layers = self.variables["params"], []
         for i in range(n):
