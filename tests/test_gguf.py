@@ -199,7 +199,7 @@ def _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, pick):
 
 def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf_dir, monkeypatch):
     """The same hidden states bit for bit from the quantized blocks as from float32 copies (a
-    5-row step through the whole-layer kernel), logits within rounding (this model's untied LM
+    5-row step through the decoder-layer kernel), logits within rounding (this model's untied LM
     head is XLA's product without the blocks, the kernel's with them), the same greedy tokens."""
     from jspec.config import EngineConfig
     from jspec.errors import ConfigError
@@ -207,7 +207,7 @@ def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf
 
     model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out[:2])
     quant = with_small_row_weights(model.params, quantized=model.quantized)
-    assert "lm_head_rows" in quant and "jspec_decoder_layer" in step.lower(quant).as_text()
+    assert "lm_head_rows" in quant and "jspec_decoder_stack" in step.lower(quant).as_text()
     (logits, hidden), (want_logits, want_hidden) = step(quant), step(with_small_row_weights(model.params))
     assert np.array_equal(np.asarray(hidden).view(np.uint32), np.asarray(want_hidden).view(np.uint32))
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5 * np.abs(want_logits).max())
@@ -236,7 +236,7 @@ def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch)
 
     model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out.logits)
     int8 = with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True)
-    assert "jspec_decoder_layer" in step.lower(int8).as_text()
+    assert "jspec_decoder_stack" in step.lower(int8).as_text()
     got, want = (np.asarray(step(p))[0] for p in (int8, with_small_row_weights(model.params,
                                                                                  quantized=model.quantized)))
     span = want.max() - want.min()

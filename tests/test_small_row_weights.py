@@ -142,14 +142,14 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
     residual adds inside kernel calls. With the cpu attention the whole layer is one call
     (pallas_kernels.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
-    norm, MLP), or, where the QKV has a bias (Qwen2), one fused QKV product
+    norm, MLP), and all the step's layers one call (layer_tail.decoder_stack), or, where the QKV has a bias (Qwen2), one fused QKV product
     (pallas_kernels.small_rows.fused_small_rows) and one call for the rest after the K/V write
     (layer_tail); with another attention, 4 fused products. No plain product either way, and the
     logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
     more rows folds nothing."""
     from jspec.models.llama import forward
     from jspec.train.objectives import fresh_cache
-    from pallas_kernels.layer_tail import LAYER_TARGET
+    from pallas_kernels.layer_tail import LAYER_TARGET, STACK_TARGET
     from pallas_kernels.layer_tail import TARGET as TAIL_TARGET
     from pallas_kernels.small_rows import FUSED_TARGET, TARGET
 
@@ -168,7 +168,8 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
             folded = rows in KERNEL_ROWS
             cpu = folded and attention == "cpu"
             whole, tail = cpu and not qkv_bias, cpu and qkv_bias
-            assert text.count(f"@{LAYER_TARGET}(") == (layers if whole else 0)
+            assert text.count(f"@{STACK_TARGET}(") == (1 if whole else 0)
+            assert text.count(f"@{LAYER_TARGET}(") == 0
             assert text.count(f"@{TAIL_TARGET}(") == (layers if tail else 0)
             assert text.count(f"@{FUSED_TARGET}(") == (0 if whole else layers if tail else 4 * layers if folded else 0)
             assert text.count(f"@{TARGET}(") == 0  # every projection folded something in (this LM head is untied)
