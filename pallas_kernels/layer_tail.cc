@@ -347,7 +347,7 @@ ffi::Error DecoderStackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     auto ko = pages.get<ffi::AnyBuffer>(2 * i), vo = pages.get<ffi::AnyBuffer>(2 * i + 1);
     if (!qkv.has_value() || !in_gain.has_value() || !o.has_value() || !gain.has_value() || !gu.has_value() ||
         !dn.has_value() || !kp.has_value() || !vp.has_value() || !ko.has_value() || !vo.has_value()) {
-      return ffi::Error::InvalidArgument("decoder_stack: a layer's gains must be float32 [H]");
+      return ffi::Error::InvalidArgument("decoder_stack: a layer's operands are missing or its gains are not float32");
     }
     LayerShapes li;
     if (auto e = layer_operands(x, *qkv, *in_gain, cos, sin, *kp, *vp, block_tables, start, q_lens, *o, *gain, *gu,
