@@ -289,6 +289,26 @@ void layer_phases(std::vector<jspec_cpu::Phase>& phases, const LayerShapes& l, c
   tail_phases(phases, plan, b.tail, x, op.o, op.gain, op.gu, op.dn, out, M, QS, H, l.I, eps);
 }
 
+// The layers `ops` one after another in one run_phases: x [M, H] through each (layer i's output
+// layer i + 1's input) into out [M, H]. A layer reads its input only before the phase that writes
+// its output (the input norm first, the residual in the o_proj phase; the down product writes
+// last), so the layers after the first read and write `out` in place.
+void run_layers(ffi::ThreadPool& pool, const LayerShapes& l, const std::vector<LayerOperands>& ops,
+                const StepRows& r, const float* x, float* out, float eps) {
+  std::vector<int32_t> kv_lens(l.s.B);
+  for (int64_t b = 0; b < l.s.B; ++b) kv_lens[b] = r.start[b] + r.q_lens[b];
+  LayerBuffers b(l);
+  std::vector<std::unique_ptr<jspec_cpu::AttentionPlan>> plans;
+  std::vector<jspec_cpu::Phase> phases;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    alias_pages(ops[i]);
+    plans.push_back(std::make_unique<jspec_cpu::AttentionPlan>(l.s, b.q.data(), ops[i].kp, ops[i].vp, l.type,
+                                                              r.tables, kv_lens.data(), r.q_lens));
+    layer_phases(phases, l, ops[i], r, b, *plans.back(), i == 0 ? x : out, out, eps);
+  }
+  jspec_cpu::run_phases(pool, std::move(phases));
+}
+
 // The whole decoder layer: RMSNorm(x; in_gain) through the packed QKV product [(Hq + 2 KVH) D, H],
 // RoPE on q and k (rotate-half, cos and sin [M, D] of each row's position), k and v written into
 // the pages (rows t < q_lens[b], at position start[b] + t; a slot past the table or a page id
@@ -312,14 +332,7 @@ ffi::Error DecoderLayerImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const StepRows r{cos.typed_data(), sin.typed_data(), block_tables.typed_data(), start.typed_data(),
                    q_lens.typed_data()};
-  std::vector<int32_t> kv_lens(l.s.B);
-  for (int64_t b = 0; b < l.s.B; ++b) kv_lens[b] = r.start[b] + r.q_lens[b];
-  alias_pages(op);
-  LayerBuffers b(l);
-  jspec_cpu::AttentionPlan plan(l.s, b.q.data(), op.kp, op.vp, l.type, r.tables, kv_lens.data(), r.q_lens);
-  std::vector<jspec_cpu::Phase> phases;
-  layer_phases(phases, l, op, r, b, plan, x.typed_data(), out->typed_data(), eps);
-  jspec_cpu::run_phases(pool, std::move(phases));
+  run_layers(pool, l, {op}, r, x.typed_data(), out->typed_data(), eps);
   return ffi::Error::Success();
 }
 
@@ -363,21 +376,7 @@ ffi::Error DecoderStackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const StepRows r{cos.typed_data(), sin.typed_data(), block_tables.typed_data(), start.typed_data(),
                    q_lens.typed_data()};
-  std::vector<int32_t> kv_lens(l.s.B);
-  for (int64_t b = 0; b < l.s.B; ++b) kv_lens[b] = r.start[b] + r.q_lens[b];
-  LayerBuffers b(l);
-  std::vector<float> stream[2] = {std::vector<float>(l.M * l.H), std::vector<float>(l.M * l.H)};
-  std::vector<std::unique_ptr<jspec_cpu::AttentionPlan>> plans;
-  std::vector<jspec_cpu::Phase> phases;
-  for (size_t i = 0; i < L; ++i) {
-    alias_pages(ops[i]);
-    plans.push_back(std::make_unique<jspec_cpu::AttentionPlan>(l.s, b.q.data(), ops[i].kp, ops[i].vp, l.type,
-                                                              r.tables, kv_lens.data(), r.q_lens));
-    const float* in = i == 0 ? x.typed_data() : stream[(i - 1) % 2].data();
-    float* o = i + 1 == L ? out->typed_data() : stream[i % 2].data();
-    layer_phases(phases, l, ops[i], r, b, *plans.back(), in, o, eps);
-  }
-  jspec_cpu::run_phases(pool, std::move(phases));
+  run_layers(pool, l, ops, r, x.typed_data(), out->typed_data(), eps);
   return ffi::Error::Success();
 }
 

@@ -279,14 +279,19 @@ _layer = _kernel_or_reference(_layer_kernel, decoder_layer_reference, 14, (7, 8,
 
 
 # ---------------------------------------------------------------------------- the layers of a step
-def decoder_stack_reference(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps: float):
-    """:func:`decoder_stack` as :func:`decoder_layer_reference` once a layer."""
+def _each_layer(layer, x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps: float):
+    """The layers one after another, ``layer`` (:func:`decoder_layer` or its reference) a layer."""
     k_pages, v_pages = list(k_pages), list(v_pages)
     for i, (qkv_w, in_gain, o_w, gain, gate_up_w, down_w) in enumerate(layers):
-        x, k_pages[i], v_pages[i] = decoder_layer_reference(x, qkv_w, in_gain, cos, sin, k_pages[i], v_pages[i],
-                                                            block_tables, start, q_lens, o_w, gain, gate_up_w,
-                                                            down_w, eps)
+        x, k_pages[i], v_pages[i] = layer(x, qkv_w, in_gain, cos, sin, k_pages[i], v_pages[i], block_tables, start,
+                                          q_lens, o_w, gain, gate_up_w, down_w, eps)
     return x, tuple(k_pages), tuple(v_pages)
+
+
+def decoder_stack_reference(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages, eps: float):
+    """:func:`decoder_stack` as :func:`decoder_layer_reference` once a layer."""
+    return _each_layer(decoder_layer_reference, x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages,
+                       eps)
 
 
 def decoder_stack_applies(q_shape, x, layers, k_pages, v_pages) -> bool:
@@ -327,16 +332,12 @@ def decoder_stack(x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_p
     k_pages, v_pages = tuple(k_pages), tuple(v_pages)
     if not layers or len(layers) != len(k_pages) or len(layers) != len(v_pages):
         raise ValueError(f"decoder_stack: {len(layers)} layers, {len(k_pages)} K and {len(v_pages)} V page arrays")
-    q_shape = [check_decoder_layer_args(x, qkv_w, in_gain, cos, sin, k, v, block_tables, start, q_lens, o_w, gain,
-                                        gate_up_w, down_w)
-               for (qkv_w, in_gain, o_w, gain, gate_up_w, down_w), k, v in zip(layers, k_pages, v_pages)][0]
+    q_shapes = [check_decoder_layer_args(x, qkv_w, in_gain, cos, sin, k, v, block_tables, start, q_lens, o_w, gain,
+                                         gate_up_w, down_w)
+                for (qkv_w, in_gain, o_w, gain, gate_up_w, down_w), k, v in zip(layers, k_pages, v_pages)]
     args = (x, cos, sin, block_tables, start, q_lens, layers, k_pages, v_pages)
-    if not decoder_stack_applies(q_shape, x, layers, k_pages, v_pages):
-        out, k_pages, v_pages = x, list(k_pages), list(v_pages)
-        for i, (qkv_w, in_gain, o_w, gain, gate_up_w, down_w) in enumerate(layers):
-            out, k_pages[i], v_pages[i] = decoder_layer(out, qkv_w, in_gain, cos, sin, k_pages[i], v_pages[i],
-                                                        block_tables, start, q_lens, o_w, gain, gate_up_w, down_w, eps)
-        return out, tuple(k_pages), tuple(v_pages)
+    if not decoder_stack_applies(q_shapes[0], x, layers, k_pages, v_pages):
+        return _each_layer(decoder_layer, *args, eps)
     return _stack(*args, float(eps))
 
 

@@ -328,8 +328,6 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         tp = cfg.tensor_parallel
-        if mlp is not None and self._layer_fuses(x, metas, k_pages, norm, residual, mlp):
-            return self._whole_layer(x, metas[0], k_pages, v_pages, norm, mlp)
         # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
         qkv = Linear(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype,
                      name="qkv_proj")(x, norm=norm)  # [M, (Hq + 2 KVH) D]
@@ -368,41 +366,15 @@ class Attention(nn.Module):
         out = Linear(cfg.hidden_size, dtype=dtype, name="o_proj")(o, residual=residual)
         return (out, k_pages, v_pages) if mlp is None else (out, k_pages, v_pages, False)
 
-    def _layer_fuses(self, x, metas, k_pages, norm, residual, mlp) -> bool:
-        """Whether the whole layer runs as one kernel call (pallas_kernels.layer_tail.decoder_layer):
-        :meth:`_one_call`, the input norm given, no QKV bias, and the packed weights fitting the
-        kernel (layer_tail.decoder_layer_applies)."""
-        cfg = self.config
-        p = self.variables.get("params", {})
-        qkv_w, o_w = p.get("qkv_proj", {}).get("weight"), p.get("o_proj", {}).get("weight")
-        if (isinstance(metas, DenseContext) or norm is None or cfg.qkv_bias or qkv_w is None
-                or not self._one_call(metas, residual, o_w)):
-            return False
-        return layer_tail.decoder_layer_applies((*metas[0].shape, cfg.num_heads, cfg.head_dim), x, qkv_w, k_pages,
-                                                o_w, mlp[2], mlp[3])
-
-    def _whole_layer(self, x, m: _Meta, k_pages, v_pages, norm, mlp):
-        cfg = self.config
-        p = self.variables["params"]
-        cos, sin = rope_cos_sin(m.positions.reshape(-1), rope_inv_freq(cfg), x.dtype)
-        gain, eps, gate_up_w, down_w = mlp
-        with jax.named_scope("decoder_layer"):
-            out, k_pages, v_pages = layer_tail.decoder_layer(
-                x, p["qkv_proj"]["weight"], norm[0], cos, sin, k_pages, v_pages, m.block_tables, m.start, m.q_lens,
-                p["o_proj"]["weight"], gain, gate_up_w, down_w, eps)
-        return out, k_pages, v_pages, True
-
     def _tail_fuses(self, metas, q, k_pages, residual, o_w, mlp) -> bool:
         """Whether the layer after the K/V write runs as one kernel call: :meth:`_one_call` and the
         packed weights fitting the kernel (pallas_kernels.layer_tail.applies)."""
         return self._one_call(metas, residual, o_w) and layer_tail.applies(q, k_pages, residual, o_w, mlp[2], mlp[3])
 
     def _one_call(self, metas, residual, o_w) -> bool:
-        """What both kernel calls of pallas_kernels.layer_tail need of the step: one segment of
-        rows the cpu attention's kernel takes, one device, a residual, the packed o_proj."""
-        return (len(metas) == 1 and self.attention == "cpu" and self.config.tensor_parallel == 1
-                and residual is not None and o_w is not None
-                and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
+        """What pallas_kernels.layer_tail's call needs of the step (:func:`_one_kernel_step`), a
+        residual and the packed o_proj."""
+        return _one_kernel_step(self.config, self.attention, metas) and residual is not None and o_w is not None
 
 
 class MLP(nn.Module):
@@ -430,6 +402,14 @@ class DecoderLayer(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if self._folds(x):  # the norms and residual adds inside the projections' kernel calls
             p, eps = self.variables["params"], cfg.rms_norm_eps
+            whole = _whole_layer_operands(cfg, self.attention, metas, x, p, k_pages)
+            if whole is not None:
+                (m,) = metas
+                cos, sin = rope_cos_sin(m.positions.reshape(-1), rope_inv_freq(cfg), x.dtype)
+                qkv_w, in_gain, o_w, gain, gate_up_w, down_w = whole
+                with jax.named_scope("decoder_layer"):
+                    return layer_tail.decoder_layer(x, qkv_w, in_gain, cos, sin, k_pages, v_pages, m.block_tables,
+                                                    m.start, m.q_lens, o_w, gain, gate_up_w, down_w, eps)
             post = (p["post_attention_layernorm"]["scale"], eps)
             mlp = (*post, p["mlp"]["gate_up_proj"]["weight"], p["mlp"]["down_proj"]["weight"])
             x, k_pages, v_pages, mlp_ran = Attention(cfg, self.attention, name="self_attn")(
@@ -459,6 +439,30 @@ def _packed_projections(p) -> Optional[list]:
     names = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
     weights = [p.get(a, {}).get(b, {}).get("weight") for a, b in names]
     return None if any(w is None for w in weights) else weights
+
+
+def _one_kernel_step(cfg: ModelConfig, attention: str, metas) -> bool:
+    """Whether a step's rows can go through pallas_kernels.layer_tail's calls: one segment of
+    rows the cpu attention's kernel takes, on one device."""
+    return (not isinstance(metas, DenseContext) and len(metas) == 1 and attention == "cpu"
+            and cfg.tensor_parallel == 1 and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
+
+
+def _whole_layer_operands(cfg: ModelConfig, attention: str, metas, x, p, k_pages) -> Optional[tuple]:
+    """(qkv_w, in_gain, o_w, gain, gate_up_w, down_w) of the decoder layer with parameters ``p``
+    where it runs as one kernel call (pallas_kernels.layer_tail.decoder_layer) on ``x``: a step
+    :func:`_one_kernel_step` takes, no QKV bias, the packed projections present for these rows
+    (:func:`_few_rows`) and fitting the kernel (layer_tail.decoder_layer_applies); else None."""
+    if not _one_kernel_step(cfg, attention, metas) or cfg.qkv_bias:
+        return None
+    weights = _packed_projections(p)
+    if weights is None or not _few_rows(x, cfg.dtype, weights):
+        return None
+    qkv_w, o_w, gate_up_w, down_w = weights
+    q_shape = (*metas[0].shape, cfg.num_heads, cfg.head_dim)
+    if not layer_tail.decoder_layer_applies(q_shape, x, qkv_w, k_pages, o_w, gate_up_w, down_w):
+        return None
+    return qkv_w, p["input_layernorm"]["scale"], o_w, p["post_attention_layernorm"]["scale"], gate_up_w, down_w
 
 
 class LlamaForCausalLM(nn.Module):
@@ -492,26 +496,15 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
 
-    def _stack(self, x, metas, k_pages, v_pages, n: int) -> Optional[list]:
-        """The operands of the first ``n`` layers for one kernel call
-        (pallas_kernels.layer_tail.decoder_stack), or None where they would not each run as one
-        (DecoderLayer._folds, Attention._layer_fuses): one segment of a few rows, the cpu
-        attention, one device, no QKV bias, every layer's packed weights fitting the kernel."""
-        cfg = self.config
-        if (n == 0 or self.is_initializing() or len(metas) != 1 or self.attention != "cpu"
-                or cfg.tensor_parallel != 1 or cfg.qkv_bias or metas[0].shape[1] > attention_lib.CPU_KERNEL_MAX_ROWS):
+    def _stack(self, x, metas, k_pages, n: int) -> Optional[list]:
+        """The operands of the first ``n`` layers for pallas_kernels.layer_tail.decoder_stack, where
+        each of them would run as one decoder_layer call (:func:`_whole_layer_operands`); else None."""
+        if n == 0 or self.is_initializing():
             return None
-        params, layers = self.variables["params"], []
-        for i in range(n):
-            p = params[f"layers_{i}"]
-            weights = _packed_projections(p)
-            if weights is None or not _few_rows(x, cfg.dtype, weights):
-                return None
-            qkv_w, o_w, gate_up_w, down_w = weights
-            layers.append((qkv_w, p["input_layernorm"]["scale"], o_w, p["post_attention_layernorm"]["scale"],
-                           gate_up_w, down_w))
-        q_shape = (*metas[0].shape, cfg.num_heads, cfg.head_dim)
-        return layers if layer_tail.decoder_stack_applies(q_shape, x, layers, k_pages, v_pages) else None
+        params = self.variables["params"]
+        layers = [_whole_layer_operands(self.config, self.attention, metas, x, params[f"layers_{i}"], k_pages[i])
+                  for i in range(n)]
+        return None if any(layer is None for layer in layers) else layers
 
     def __call__(self, segments: tuple[Segment, ...], cache: PagedKVCache, num_layers: Optional[int] = None,
                  logits_for: tuple[bool, ...] = (True,), feature_layers: tuple[int, ...] = ()):
@@ -521,7 +514,7 @@ class LlamaForCausalLM(nn.Module):
             if len(segments) > 1 else self.embed(segments[0].tokens).reshape(-1, self.config.hidden_size)
         k_all, v_all = list(cache.k_pages), list(cache.v_pages)
         taken = {}
-        stack = None if feature_layers else self._stack(x, metas, k_all[:n], v_all[:n], n)
+        stack = None if feature_layers else self._stack(x, metas, k_all[:n], n)
         if stack is not None:
             (m,) = metas
             cos, sin = rope_cos_sin(m.positions.reshape(-1), rope_inv_freq(self.config), x.dtype)
