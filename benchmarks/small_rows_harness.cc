@@ -13,6 +13,10 @@
 //   ./harness astream M      dstream's products on AMX tiles (tdpbsud; a CPU with AMX-INT8 and a kernel
 //                            that grants it): the probe of BENCHMARKS.md's twenty-eighth session, not
 //                            in the kernel (no faster at a verification's rows)
+//   ./harness MODE M resident  the 30 layers' products (no LM head) on one layer's weights, which stay in
+//                            the two cores' L2 (2.7 MB in the int8 dot layout): the arithmetic alone, no
+//                            memory traffic; against MODE M without it, whether a row count is bound by
+//                            the bytes or by the arithmetic (BENCHMARKS.md, thirtieth session)
 //
 // Build one binary per version of the kernel and run them alternately: the VM's speed drifts.
 #include KERNEL
@@ -147,7 +151,7 @@ bool amx_granted() {  // Linux: a process asks for the tile state before its fir
 
 enum class Mode { kPacked, kQuant, kDot, kAmx };
 
-int stream(int M, Mode mode) {
+int stream(int M, Mode mode, bool resident) {
   using jspec_cpu::Layout;
   const int64_t D = 576, FF = 1536, V = 49152;
   std::vector<std::vector<float>> weights;
@@ -177,10 +181,15 @@ int stream(int M, Mode mode) {
     }
   };
   const Layout layers = dot ? Layout::kQ4_1Dot : quantized ? Layout::kQ4_1 : Layout::kPacked;
-  for (int layer = 0; layer < 30; ++layer) {
+  for (int layer = 0; layer < (resident ? 1 : 30); ++layer) {
     add(D, 960, layers), add(D, D, layers), add(D, 2 * FF, layers), add(FF, D, layers);
   }
-  add(D, V, dot ? Layout::kQ8_0Dot : quantized ? Layout::kQ8_0 : Layout::kPlain);
+  if (resident) {  // layers 2 .. 30 are layer 1 again
+    const std::vector<Product> first(products.begin(), products.end());
+    for (int layer = 1; layer < 30; ++layer) products.insert(products.end(), first.begin(), first.end());
+  } else {
+    add(D, V, dot ? Layout::kQ8_0Dot : quantized ? Layout::kQ8_0 : Layout::kPlain);
+  }
   auto x = random_floats(M * FF, 1e-3f);
   jspec_cpu::QuantRows xd, xf;  // x's first D or FF columns quantized (the int8 dot layouts)
   xd.quantize_all(x.data(), M, D), xf.quantize_all(x.data(), M, FF);
@@ -235,7 +244,8 @@ int stream(int M, Mode mode) {
   static const char* names[] = {"stream", "qstream", "dstream", "astream"};
   double check = 0;  // the last product's outputs (the LM head), to compare dstream and astream
   for (int64_t i = 0; i < M * V; ++i) check += y[i] * (1 + i % 7);
-  std::printf("%s M=%d: %.2f ms (check %.9g)\n", names[static_cast<int>(mode)], M, best * 1e3, check);
+  std::printf("%s M=%d%s: %.2f ms (check %.9g)\n", names[static_cast<int>(mode)], M, resident ? " resident" : "",
+              best * 1e3, check);
   return 0;
 }
 
@@ -247,7 +257,7 @@ int main(int argc, char** argv) {
   for (int i = 0; argc >= 3 && i < 4; ++i)
     if (!std::strcmp(argv[1], modes[i])) mode = i;
   if (argc < 3 || (mode < 0 && std::strcmp(argv[1], "hot"))) {
-    std::fprintf(stderr, "usage: %s hot M [K] | stream M | qstream M | dstream M | astream M\n", argv[0]);
+    std::fprintf(stderr, "usage: %s hot M [K] | stream M | qstream M | dstream M | astream M  [resident]\n", argv[0]);
     return 2;
   }
   const int M = std::atoi(argv[2]);
@@ -263,5 +273,5 @@ int main(int argc, char** argv) {
     return 2;
 #endif
   }
-  return stream(M, static_cast<Mode>(mode));
+  return stream(M, static_cast<Mode>(mode), argc > 3 && !std::strcmp(argv[3], "resident"));
 }
