@@ -278,18 +278,20 @@ def test_whole_layer_writes_and_reads_narrow_pages(cache_dtype):
         assert (np.abs(kv) > float(info.max)).any() and ((np.abs(kv) < float(info.smallest_normal)) & (kv != 0)).any()
 
 
-def test_rope_rounds_each_product_before_the_sum():
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rope_rounds_each_product_before_the_sum(head_dim):
     """layer_tail.rotate on the CPU (jspec_rope): x c + r s with each product rounded to float32
     first, bit for bit, in any compiled program (XLA's elementwise code for it was contracted to
     FMAs in some steps and not others: an engine with drafts prefilled K an ulp away from one
-    without); gradients are the reference's."""
+    without); gradients are the reference's. Head dim 40: 16 lanes of each half, then 4 one by one."""
     from pallas_kernels.layer_tail import ROPE_TARGET, rotate, rotate_reference
 
+    half = head_dim // 2
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 7, 3, 64)).astype(np.float32)
-    ang = rng.uniform(0, 100, (2, 7, 32)).astype(np.float32)
+    x = rng.standard_normal((2, 7, 3, head_dim)).astype(np.float32)
+    ang = rng.uniform(0, 100, (2, 7, half)).astype(np.float32)
     cos, sin = (np.concatenate([fn(ang)] * 2, -1).astype(np.float32) for fn in (np.cos, np.sin))
-    r = np.concatenate([-x[..., 32:], x[..., :32]], -1)
+    r = np.concatenate([-x[..., half:], x[..., :half]], -1)
     want = (x * cos[..., None, :]).astype(np.float32) + (r * sin[..., None, :]).astype(np.float32)
     f = jax.jit(rotate)
     assert ROPE_TARGET in f.lower(x, cos, sin).as_text()
