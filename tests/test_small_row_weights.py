@@ -142,7 +142,8 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
     residual adds inside kernel calls. With the cpu attention the whole layer is one call
     (pallas_kernels.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
-    norm, MLP), and all the step's layers one call (layer_tail.decoder_stack), or, where the QKV has a bias (Qwen2), one fused QKV product
+    norm, MLP), and all the step's layers one call (layer_tail.decoder_stack), or, where the QKV
+    has a bias (Qwen2), one fused QKV product
     (pallas_kernels.small_rows.fused_small_rows) and one call for the rest after the K/V write
     (layer_tail); with another attention, 4 fused products. No plain product either way, and the
     logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
