@@ -3,7 +3,7 @@
     python benchmarks/attention_pages.py [--contexts 100,1000] [--q-lens 1,5]
                                          [--dtypes float32,float16,bfloat16] [--repeats 30]
 
-``pallas_kernels.paged_attention_cpu`` called for 30 layers in one jitted function, on
+``pallas_kernels.cpu.paged_attention`` called for 30 layers in one jitted function, on
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, pages of 16, 70 pages in a
 shuffled table), each layer's K and V pages arrays of their own (30 x 2 x 860 KB: read from
 beyond L2 every call, as in the model) and each output the next layer's query. Best of
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention_cpu import paged_attention_cpu
+from pallas_kernels.cpu.paged_attention import paged_attention_cpu
 
 LAYERS, KV_HEADS, HEADS, PAGES, PAGE, HEAD_DIM = 30, 3, 9, 70, 16, 64
 

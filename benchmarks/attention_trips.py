@@ -10,7 +10,7 @@ pages of 16), with random K/V and a random block table:
    layer's pages its own arrays, each output feeding the next layer's query, as in the model),
    best of 5 x 30 calls, ms per call, for each context and each ``block_keys`` (the same pool
    and table width for every context); ``cpu`` in ``--block-keys`` adds the same call on the C++
-   kernel that reads the pages in place (``pallas_kernels.paged_attention_cpu``);
+   kernel that reads the pages in place (``pallas_kernels.cpu.paged_attention``);
 2. the XLA CPU ops of one layer's call at ``--profile-context`` under ``jax.profiler``:
    microseconds per call and per loop trip of each op (the loop's own ``while`` event spans its
    body's ops).
@@ -35,7 +35,7 @@ import numpy as np
 from jax.profiler import ProfileData
 
 from jspec.attention import BLOCK_KEYS, paged_attention_xla
-from pallas_kernels.paged_attention_cpu import paged_attention_cpu
+from pallas_kernels.cpu.paged_attention import paged_attention_cpu
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, PAGE = 30, 3, 9, 64, 16
 

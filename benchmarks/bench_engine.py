@@ -46,7 +46,7 @@ import common
 import jspec
 from jspec.cli import enable_compile_cache
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
-from jspec.engine.bench import HISTORY_TOKENS  # ``+history``: the lookup history's size
+from jspec.bench.run import HISTORY_TOKENS  # ``+history``: the lookup history's size
 from jspec.engine.engine import LLMEngine
 from jspec.timing import Stopwatch
 

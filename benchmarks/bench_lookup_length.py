@@ -3,7 +3,7 @@
     python benchmarks/bench_lookup_length.py [--limit 16] [--max-tokens 128] [--lengths 3,8]
                                              [--ngram-ks 4] [--profile] [--json OUT]
 
-``jspec bench``'s runner (:func:`jspec.engine.bench.run_bench`: batch 1, greedy, every method's
+``jspec bench``'s runner (:func:`jspec.bench.run.run_bench`: batch 1, greedy, every method's
 tokens checked against jspec AR's, side by side in one run) over HumanEval problems 0..limit-1,
 with n-gram at each k of ``--ngram-ks`` and the hybrid (n-gram, else the shipped EAGLE-3 head)
 at k = 4, each at every ``ngram_max`` in ``--lengths`` (the shortest match left at its default: 1
@@ -24,7 +24,7 @@ import common
 import jspec
 from jspec.cli import enable_compile_cache
 from jspec.config import SpecConfig
-from jspec.engine.bench import Method, humaneval_prompts, run_bench
+from jspec.bench.run import Method, humaneval_prompts, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = str(ROOT / "checkpoints" / "smollm2-135m-eagle3")

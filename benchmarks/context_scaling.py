@@ -8,9 +8,9 @@
 
 For each context length an engine holds one request whose prompt is that many tokens of
 HumanEval text (problems concatenated), prefilled and decoded a few steps
-(``jspec.engine.profile.prepared_engine``); every engine has the same page pool (sized for the
+(``jspec.bench.profile.prepared_engine``); every engine has the same page pool (sized for the
 longest context), so that only the context differs. On that state it times the jitted target
-step as the engine runs it, the state donated (``jspec.engine.profile.StepLoop``): a one-token
+step as the engine runs it, the state donated (``jspec.bench.profile.StepLoop``): a one-token
 decode forward (q_len 1) and the verification forward of k drafts plus greedy acceptance
 (q_len k + 1). ``--no-donate`` times the same functions without the donation, as this script
 did before 2026-12-01: then XLA copies every layer's pages before writing into them, a cost of
@@ -36,7 +36,7 @@ import jax
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import StepLoop, best_ms, prepared_engine
+from jspec.bench.profile import StepLoop, best_ms, prepared_engine
 from jspec.models.llama import with_small_row_weights
 
 

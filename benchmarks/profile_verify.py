@@ -1,5 +1,5 @@
 """Where a verification step's time goes: a per-op profile of the jitted target step (forward +
-greedy acceptance) at several q_lens on the real model (``jspec.engine.profile.profile_ops``).
+greedy acceptance) at several q_lens on the real model (``jspec.bench.profile.profile_ops``).
 
     python benchmarks/profile_verify.py [--q-lens 1,2,5,9] [--repeats 10] [--prompt-index 0]
                                         [--compare-small-row-weights] [--compare-float-weights]
@@ -26,7 +26,7 @@ import common
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import prepared_engine, profile_ops
+from jspec.bench.profile import prepared_engine, profile_ops
 from jspec.models.llama import with_small_row_weights
 
 

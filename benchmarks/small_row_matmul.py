@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.small_rows import pack_rows, small_rows_matmul
+from pallas_kernels.cpu.small_rows import pack_rows, small_rows_matmul
 
 D, FF, LAYERS = 576, 1536, 30
 SHAPES = {"qkv": (D, 960), "o": (D, D), "gate_up": (D, 2 * FF), "down": (FF, D)}  # (in, out)
@@ -31,7 +31,7 @@ def _dot(x, w, how: str):
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
     if how == "row by row":
         return jnp.concatenate([x[i:i + 1] @ w for i in range(x.shape[0])], 0)
-    if how == "kernel, plain":  # w [out, in]: pallas_kernels.small_rows, one weight row at a time
+    if how == "kernel, plain":  # w [out, in]: pallas_kernels.cpu.small_rows, one weight row at a time
         return small_rows_matmul(x, w)
     if how == "kernel, packed":  # w packed by pack_rows (what the engine keeps)
         return small_rows_matmul(x, w, w.shape[0] * w.shape[2])

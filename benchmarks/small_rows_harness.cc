@@ -1,5 +1,5 @@
 // The CPU small-row kernel without JAX: its rows() called directly, to compare two versions of
-// pallas_kernels/small_rows.cc side by side (BENCHMARKS.md, nineteenth session).
+// pallas_kernels/cpu/small_rows.cc side by side (BENCHMARKS.md, nineteenth session).
 //
 //   INC=$(python -c "import jax; print(jax.ffi.include_dir())")
 //   g++ -O3 -march=native -std=c++17 -fno-math-errno -I$INC -Ipallas_kernels \

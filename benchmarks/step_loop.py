@@ -4,7 +4,7 @@
     # once it prints "ready": perf record -F 2000 -p <pid> -o q5.data -- sleep 15
     # perf report -i q5.data --sort symbol --stdio
 
-The step is the one ``profile_verify.py`` profiles (``jspec.engine.profile.StepLoop``: q_len 1 a
+The step is the one ``profile_verify.py`` profiles (``jspec.bench.profile.StepLoop``: q_len 1 a
 plain decoding step, k + 1 a verification of k drafts), on HumanEval problem 0 after its prefill;
 prints the mean wall time of a step at the end.
 """
@@ -19,7 +19,7 @@ import jax
 
 import jspec
 from jspec.config import SpecConfig
-from jspec.engine.profile import StepLoop, prepared_engine
+from jspec.bench.profile import StepLoop, prepared_engine
 from jspec.models.llama import with_small_row_weights
 
 

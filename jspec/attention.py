@@ -10,7 +10,7 @@ Implementations:
     xla        plain jnp, online softmax over blocks of pages in a loop that stops at the longest
                live sequence: cost follows the live context, not the table width (the CPU path)
     cpu        a C++ kernel through XLA's FFI that reads the pages in place
-               (pallas_kernels.paged_attention_cpu; float32 queries over float32, float16,
+               (pallas_kernels.cpu.paged_attention; float32 queries over float32, float16,
                bfloat16 or 8-bit float pages, built at first use) for up to CPU_KERNEL_MAX_ROWS query rows;
                xla elsewhere (long prefill chunks, other dtypes, no compiler)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm); 16- and 32-bit pages
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.errors import ConfigError
-from pallas_kernels import cpu_kernels
-from pallas_kernels.paged_attention_cpu import paged_attention_cpu
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.paged_attention import paged_attention_cpu
 
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "interpret")
 # Keys per loop iteration of the xla path. 512 made a decode step at 1,000 tokens of context

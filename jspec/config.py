@@ -389,7 +389,7 @@ class EngineConfig:
       pages) are sharded over (:mod:`jspec.parallel`);
     - ``small_row_weights``: keep a packed copy of the target's layer projections for steps of
       1-16 rows, read by the CPU small-row kernel (:func:`jspec.models.llama.with_small_row_weights`,
-      ``pallas_kernels.small_rows``). ``None`` (the default): on where it applies (the CPU
+      ``pallas_kernels.cpu.small_rows``). ``None`` (the default): on where it applies (the CPU
       backend, one device, a float32 target, the kernel built); ``False``: off; ``True``: on
       wherever it applies (a warning where it does not). It costs the projections' memory once
       more (425 MB for SmolLM2-135M);

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import SamplingParams
-from pallas_kernels import cpu_kernels, small_rows
+from pallas_kernels.cpu import build as cpu_kernels, small_rows
 
 
 @jax.tree_util.register_dataclass
@@ -285,7 +285,7 @@ def argmax(x: jax.Array) -> jax.Array:
     XLA's CPU backend does not vectorize argmax's (value, index) reduction: a max, then the
     smallest index holding it, is 1.5-3x faster over a 49k vocabulary (and, fused with the
     Gumbel noise of a draw, ~3x); float32 logits on the CPU go through jspec's C++ kernel for it
-    (``pallas_kernels.small_rows.row_argmax``): 2.5-3x faster alone, 6x in a verification step."""
+    (``pallas_kernels.cpu.small_rows.row_argmax``): 2.5-3x faster alone, 6x in a verification step."""
     # (the backend first: a GPU machine never builds the CPU kernels)
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows"):
         return small_rows.row_argmax(x)

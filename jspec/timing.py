@@ -74,7 +74,7 @@ def describe_machine() -> str:
     import os
     import platform
 
-    from pallas_kernels.cpu_kernels import vector_extensions
+    from pallas_kernels.cpu.build import vector_extensions
 
     cpu = platform.processor() or "unknown CPU"
     try:

@@ -112,7 +112,7 @@ def write_kv(
 ) -> jax.Array:
     """Scatter ``new[b, t]`` to position ``start[b] + t`` of sequence b's pages: the K/V write the
     contract assumes has happened before attention (jspec.cache.paged.write_kv; the CPU decoder-layer
-    kernel, pallas_kernels.layer_tail, does the same in place). A slot past the table or a row
+    kernel, pallas_kernels.cpu.layer_tail, does the same in place). A slot past the table or a row
     t >= q_lens[b] is dropped."""
     _, num_pages, page_size, _ = pages.shape
     t = new.shape[1]

@@ -6,7 +6,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.small_rows import GGUF_BLOCK_BYTES, pack_quantized
+from pallas_kernels.cpu.small_rows import GGUF_BLOCK_BYTES, pack_quantized
 
 GGUF_TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 

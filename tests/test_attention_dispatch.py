@@ -5,7 +5,7 @@ import pytest
 import jspec
 from helpers import tiny_config, tiny_model
 from jspec import attention
-from pallas_kernels import cpu_kernels
+from pallas_kernels.cpu import build as cpu_kernels
 
 
 def test_auto_is_the_cpu_kernel_on_cpu_and_pallas_needs_a_gpu():

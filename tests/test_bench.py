@@ -1,4 +1,4 @@
-"""``jspec bench`` and its library (jspec.engine.bench) on a tiny random checkpoint: the table's
+"""``jspec bench`` and its library (jspec.bench.run) on a tiny random checkpoint: the table's
 fields, method parsing, and the greedy check (a method whose tokens differ fails, exit 1)."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 import jspec
-from jspec.engine import bench
+from jspec.bench import run as bench
 from jspec.engine.generate import run_requests
 from test_bad_input import _cli
 
@@ -68,7 +68,7 @@ def test_sampled_bench_reports_acceptance_and_skips_the_token_check(model):
     ar = [bench.EngineRunner(model, jspec.SpecConfig(), [ids], 12, sampling=jspec.SamplingParams(temperature=5.0, seed=s))(
         ids, 12).tokens for s in (1, 2)]
     assert ar[0] != ar[1]  # sampling really happens: two seeds, two continuations
-    from jspec.engine.peers import transformers_peers
+    from jspec.bench.peers import transformers_peers
 
     with pytest.raises(jspec.ConfigError, match="greedily"):
         bench.run_bench(model, PROMPTS, bench.parse_methods("ar") + transformers_peers(model), max_tokens=4,
@@ -144,7 +144,7 @@ def test_cli_bench_bad_options_exit_2_before_loading(tiny_hf_llama):
 def test_transformers_peers_rows(model):
     """transformers' greedy and prompt lookup on the same tiny checkpoint: their rows, the
     speedups against them, and no failure when their tokens differ (they are not lossless)."""
-    from jspec.engine.peers import transformers_peers
+    from jspec.bench.peers import transformers_peers
 
     peers = transformers_peers(model)
     report = bench.run_bench(model, PROMPTS, bench.parse_methods("ar") + peers, max_tokens=6, progress=False,

@@ -146,7 +146,7 @@ def test_gguf_keeps_the_blocks_the_small_row_kernel_reads(tmp_path, hf_dir, qtyp
     layout (LoadedModel.quantized), and they hold exactly the loaded float32 parameters; a file
     in another type, or a model loaded in another dtype, keeps none."""
     from jspec.models.llama import output_embedding, with_small_row_weights
-    from pallas_kernels.small_rows import dequantize
+    from pallas_kernels.cpu.small_rows import dequantize
 
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_gguf(path, hf_dir, qtype)
@@ -183,7 +183,7 @@ def _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, pick):
 
     from jspec.cache.paged import init_cache
     from jspec.models.llama import forward
-    from pallas_kernels import cpu_kernels
+    from pallas_kernels.cpu import build as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("no C++ compiler: the kernels are not built")
@@ -232,7 +232,7 @@ def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch)
     from jspec.config import EngineConfig
     from jspec.errors import ConfigError
     from jspec.models.llama import with_small_row_weights
-    from pallas_kernels import small_rows
+    from pallas_kernels.cpu import small_rows
 
     model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out.logits)
     int8 = with_small_row_weights(model.params, quantized=model.quantized, int8_dot=True)

@@ -230,7 +230,7 @@ def test_int8_activations_on_the_real_model(smollm2, hf_smollm2):
 _PREFILL_SCRIPT = """
 import numpy as np, jspec
 from jspec.config import SpecConfig
-from jspec.engine.bench import humaneval_prompts
+from jspec.bench.run import humaneval_prompts
 from jspec.engine.engine import LLMEngine
 from jspec.engine.generate import engine_config
 model = jspec.load_model("smollm2-135m")
@@ -258,7 +258,7 @@ def test_engines_with_and_without_drafts_prefill_the_same_bits(smollm2):
     the same bit for bit (their steps differ around the prefill chunk: a decode segment of 1 or
     k + 1 rows), on one device and sharded over 3 (SmolLM2's 9 query and 3 KV heads). XLA compiled
     RoPE's elementwise formula with FMAs in one and without in the other, an ulp apart (now one C++
-    op, pallas_kernels.layer_tail.rotate, run per device inside shard_map when sharded: with XLA's
+    op, pallas_kernels.cpu.layer_tail.rotate, run per device inside shard_map when sharded: with XLA's
     formula the sharded engines' K/V differed from layer 1 on). Run in a process with XLA's
     optimizations on, as users run it (this suite turns them off to compile faster, and without
     them nothing is contracted)."""

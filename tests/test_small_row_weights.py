@@ -16,8 +16,8 @@ from jspec.errors import ConfigError
 from jspec.models.eagle import HEAD_PROJECTIONS, init_eagle_params
 from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, output_embedding, with_small_row_weights
 from jspec.speculative.drafters.eagle import EagleDrafter
-from pallas_kernels import small_rows
-from pallas_kernels.small_rows import pack_rows, unpack_rows
+from pallas_kernels.cpu import small_rows
+from pallas_kernels.cpu.small_rows import pack_rows, unpack_rows
 
 
 def test_linear_has_dense_parameters_and_uses_the_copy_for_small_row_counts(kernels_on):
@@ -141,18 +141,18 @@ def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
 def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on, qkv_bias):
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
     residual adds inside kernel calls. With the cpu attention the whole layer is one call
-    (pallas_kernels.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
+    (pallas_kernels.cpu.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
     norm, MLP), and all the step's layers one call (layer_tail.decoder_stack), or, where the QKV
     has a bias (Qwen2), one fused QKV product
-    (pallas_kernels.small_rows.fused_small_rows) and one call for the rest after the K/V write
+    (pallas_kernels.cpu.small_rows.fused_small_rows) and one call for the rest after the K/V write
     (layer_tail); with another attention, 4 fused products. No plain product either way, and the
     logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
     more rows folds nothing."""
     from jspec.models.llama import forward
     from jspec.train.objectives import fresh_cache
-    from pallas_kernels.layer_tail import LAYER_TARGET, STACK_TARGET
-    from pallas_kernels.layer_tail import TARGET as TAIL_TARGET
-    from pallas_kernels.small_rows import FUSED_TARGET, TARGET
+    from pallas_kernels.cpu.layer_tail import LAYER_TARGET, STACK_TARGET
+    from pallas_kernels.cpu.layer_tail import TARGET as TAIL_TARGET
+    from pallas_kernels.cpu.small_rows import FUSED_TARGET, TARGET
 
     model = tiny_model(tiny_config(num_layers=2, qkv_bias=qkv_bias), scale=2.0)
     cfg = model.config

@@ -127,7 +127,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_hf_llama):
 
 
 def test_profile_step_times_draft_and_verify(target):
-    from jspec.engine.profile import profile_step
+    from jspec.bench.profile import profile_step
 
     prof = profile_step(target, PROMPTS[0], jspec.SpecConfig("layerskip", 3, layerskip_layers=2),
                         jspec.SamplingParams(), warm_steps=2, repeats=2)
@@ -141,7 +141,7 @@ def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     another token none. Each donates its state and hands back one that repeats the same step:
     the lengths it came with and the same answer the next time. profile_ops times each q_len
     and attributes time to the LM head."""
-    from jspec.engine.profile import prepared_engine, profile_ops, target_step_fn
+    from jspec.bench.profile import prepared_engine, profile_ops, target_step_fn
 
     engine = prepared_engine(target, PROMPTS[0], jspec.SpecConfig("ngram", 2), warm_steps=2)
     state = jax.tree.map(jnp.copy, engine.runner.state.replace(drafter=None))
@@ -163,7 +163,7 @@ def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
 def test_trace_ops_counts_a_loop_once_not_its_body_again():
     """A while thunk's trace event spans its body's events on the same thread: only the
     outermost ones count, so the categories cannot add up to more than the calls took."""
-    from jspec.engine.profile import _outermost
+    from jspec.bench.profile import _outermost
 
     ops = [(100, 50, "attention"), (0, 10, "lm_head"), (110, 5, "attention"), (120, 30, "attention"),
            (160, 5, "norms"), (150, 10, "kv_write")]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.timing import Stopwatch, compile_seconds, describe_machine
-from pallas_kernels.cpu_kernels import vector_extensions
+from pallas_kernels.cpu.build import vector_extensions
 
 
 def test_nested_compilation_counted_once():

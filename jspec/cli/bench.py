@@ -1,4 +1,4 @@
-"""``jspec bench``: decoding methods side by side on your prompts (:mod:`jspec.engine.bench`).
+"""``jspec bench``: decoding methods side by side on your prompts (:mod:`jspec.bench.run`).
 
     jspec bench [--prompts-file FILE | --suite humaneval] [--limit N] [--max-tokens N]
                 [--methods ar,ngram:4,ngram:8,eagle:NAME:4,draft:NAME:4] [--peers transformers]
@@ -72,7 +72,7 @@ def _peers(text: str) -> tuple[bool, str | None]:
 
 def _prompts(args) -> list[str]:
     from jspec.cli.generate import read_prompts_file
-    from jspec.engine.bench import humaneval_prompts
+    from jspec.bench.run import humaneval_prompts
     from jspec.errors import ConfigError
 
     if args.limit < 1 or args.start < 0:
@@ -89,7 +89,7 @@ def _prompts(args) -> list[str]:
 def cmd_bench(args) -> int:
     from jspec.cli import checks, enable_compile_cache
     from jspec.config import CHECKPOINT_METHODS, CacheConfig, SamplingParams
-    from jspec.engine.bench import parse_methods, run_bench
+    from jspec.bench.run import parse_methods, run_bench
     from jspec.loading import open_checkpoint
 
     # checks that need no model first (jspec.cli.checks)
@@ -116,7 +116,7 @@ def cmd_bench(args) -> int:
 
         raise CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode text prompts")
     if want_peers:
-        from jspec.engine.peers import transformers_peers
+        from jspec.bench.peers import transformers_peers
 
         methods = methods + transformers_peers(model, assisted)
     enable_compile_cache()

@@ -34,7 +34,7 @@ from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
 from jspec.models.llama import projection_kernels
-from pallas_kernels import small_rows
+from pallas_kernels.cpu import small_rows
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -181,7 +181,7 @@ def layer_projections(n: int) -> tuple[tuple[tuple[str, str], tuple[str, ...]], 
 
 def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.ndarray]:
     """The projections a GGUF file stores as Q4_1 or Q8_0 blocks, in the CPU small-row kernel's
-    quantized layout (``pallas_kernels.small_rows.pack_quantized``), keyed by their place in the
+    quantized layout (``pallas_kernels.cpu.small_rows.pack_quantized``), keyed by their place in the
     parameter tree: ``("layers_{n}", "self_attn" | "mlp", "qkv_proj" | ...)`` (fused as the
     float32 kernels are; a fused projection only when all its parts share one type) and
     ``("lm_head_rows",)`` (the LM head's rows [V, H]: the tied embedding, or ``lm_head``).

@@ -16,7 +16,7 @@ from jspec.config import ModelConfig
 from jspec.errors import CheckpointError, ConfigError, UnsupportedModelError
 from jspec.loading import schema
 from jspec.loading.gguf_header import check_gguf_header
-from pallas_kernels import small_rows
+from pallas_kernels.cpu import small_rows
 
 # llama.cpp name -> Hugging Face name ("{n}" is the layer index)
 _LAYER_NAMES = {
@@ -173,7 +173,7 @@ class GGUFFile:
     def blocks_getter(self, config: ModelConfig):
         """``get(hf_name) -> (qtype, blocks) | None``: a tensor's own quantized blocks, uint8
         [rows, bytes of a row], for the types the CPU small-row kernel reads as they are ("q4_1",
-        "q8_0": :mod:`pallas_kernels.small_rows`), Q/K row permutation undone; None for a tensor
+        "q8_0": :mod:`pallas_kernels.cpu.small_rows`), Q/K row permutation undone; None for a tensor
         stored any other way (or absent). No copy: a view of the mapped file."""
         import gguf
 

@@ -45,7 +45,7 @@ from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, write_kv
 from jspec.config import ModelConfig
-from pallas_kernels import cpu_kernels, layer_tail, small_rows
+from pallas_kernels.cpu import build as cpu_kernels, layer_tail, small_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -79,7 +79,7 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, tensor_parallel: int = 1,
                heads: str = "heads") -> jax.Array:
     """Rotate-half RoPE. x [B, T, H, D], positions int32 [B, T]. On the CPU the C++ op
-    (``pallas_kernels.layer_tail.rotate``: the same bits in every compiled step, where XLA's
+    (``pallas_kernels.cpu.layer_tail.rotate``: the same bits in every compiled step, where XLA's
     elementwise formula compiled with FMAs in some steps and not in others). With
     ``tensor_parallel`` > 1 (x's ``heads`` axis sharded, ``"heads"`` or ``"kv_heads"``) each device
     rotates its own heads with the op inside ``shard_map``: XLA's partitioner cannot split a
@@ -191,7 +191,7 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
 
 
 # Products of this many rows (a decoding step of a few slots, a verification step; not a prefill
-# chunk or a large batch) run on the CPU small-row kernel (pallas_kernels.small_rows) when the
+# chunk or a large batch) run on the CPU small-row kernel (pallas_kernels.cpu.small_rows) when the
 # parameters carry a packed copy ``weight`` of a projection (with_small_row_weights) and the
 # kernel is built: it reads the weight once for any number of rows, where XLA's CPU dot re-packs
 # it for 2 or more. Up to 16 rows the kernel measured faster than XLA's product (a k = 4 step's 5
@@ -214,7 +214,7 @@ def _few_rows(x, dtype, weights=()) -> bool:
     """Whether ``x`` [..., in] has the rows for products by ``weights`` (their small-row forms; none:
     a float32 table read as it is) that the kernel runs: :data:`KERNEL_ROWS`, or
     :data:`QUANTIZED_KERNEL_ROWS` where all are in a quantized layout. Where all are in the int8 dot
-    layout (``pallas_kernels.small_rows.pack_int8_dot``), any number of rows: those products (x
+    layout (``pallas_kernels.cpu.small_rows.pack_int8_dot``), any number of rows: those products (x
     rounded to 8 bits) have no float32 twin in XLA, and a row's result must not depend on how many
     rows its step has, or speculative output would part from plain decoding."""
     n = math.prod(x.shape[:-1])
@@ -269,7 +269,7 @@ def times_rows(x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = N
 
 
 def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantized=None, int8_dot: bool = False):
-    """``params`` with a packed copy ``weight`` (``pallas_kernels.small_rows.pack_rows`` of the
+    """``params`` with a packed copy ``weight`` (``pallas_kernels.cpu.small_rows.pack_rows`` of the
     kernel's transpose) beside the ``kernel`` of every :class:`Linear` called one of ``names``
     (by default a decoder layer's projections), which it reads for products of a few rows on the
     CPU small-row kernel. The copy costs the projections' memory once more (425 MB for
@@ -281,10 +281,10 @@ def with_small_row_weights(params, names: tuple[str, ...] = PROJECTIONS, quantiz
     quantized form instead (SmolLM2-135M's 66 MB of Q4_1 instead of 425 MB of floats), and
     ``("lm_head_rows",)`` becomes ``params["lm_head_rows"]``, which :meth:`LlamaForCausalLM.head`
     reads for a few rows in place of the float32 table. The kernel gives the same bits from either
-    form of a weight (``pallas_kernels.small_rows``), reading a fifth of the bytes or less.
+    form of a weight (``pallas_kernels.cpu.small_rows``), reading a fifth of the bytes or less.
 
     ``int8_dot``: the quantized weights go in the integer dot-product layout instead
-    (``pallas_kernels.small_rows.pack_int8_dot``, :func:`int8_dot_weights`): their products
+    (``pallas_kernels.cpu.small_rows.pack_int8_dot``, :func:`int8_dot_weights`): their products
     quantize x to 8 bits a block of 32 (llama.cpp's way), for any number of rows."""
     quantized = int8_dot_weights(quantized or {}) if int8_dot else (quantized or {})
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
@@ -323,7 +323,7 @@ class Attention(nn.Module):
         projection's result (both folded into the projections, see DecoderLayer). ``mlp`` (the
         post-attention norm's gain, eps, and the MLP's packed gate/up and down weights): where
         :func:`_tail_fuses`, the layer's attention, output projection and MLP run as one kernel call
-        (pallas_kernels.layer_tail) after the K/V write. With ``mlp`` the result is (out, k_pages,
+        (pallas_kernels.cpu.layer_tail) after the K/V write. With ``mlp`` the result is (out, k_pages,
         v_pages, whether the MLP ran)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
@@ -368,11 +368,11 @@ class Attention(nn.Module):
 
     def _tail_fuses(self, metas, q, k_pages, residual, o_w, mlp) -> bool:
         """Whether the layer after the K/V write runs as one kernel call: :meth:`_one_call` and the
-        packed weights fitting the kernel (pallas_kernels.layer_tail.applies)."""
+        packed weights fitting the kernel (pallas_kernels.cpu.layer_tail.applies)."""
         return self._one_call(metas, residual, o_w) and layer_tail.applies(q, k_pages, residual, o_w, mlp[2], mlp[3])
 
     def _one_call(self, metas, residual, o_w) -> bool:
-        """What pallas_kernels.layer_tail's call needs of the step (:func:`_one_kernel_step`), a
+        """What pallas_kernels.cpu.layer_tail's call needs of the step (:func:`_one_kernel_step`), a
         residual and the packed o_proj."""
         return _one_kernel_step(self.config, self.attention, metas) and residual is not None and o_w is not None
 
@@ -425,7 +425,7 @@ class DecoderLayer(nn.Module):
 
     def _folds(self, x) -> bool:
         """Whether this step folds the layer's norms and residual adds into the small-row kernel's
-        calls (pallas_kernels.small_rows.fused_small_rows): a few rows on the CPU kernel, the
+        calls (pallas_kernels.cpu.small_rows.fused_small_rows): a few rows on the CPU kernel, the
         projections' packed weights present, one device. Same values up to float rounding."""
         if self.is_initializing() or self.config.tensor_parallel != 1:
             return False
@@ -442,7 +442,7 @@ def _packed_projections(p) -> Optional[list]:
 
 
 def _one_kernel_step(cfg: ModelConfig, attention: str, metas) -> bool:
-    """Whether a step's rows can go through pallas_kernels.layer_tail's calls: one segment of
+    """Whether a step's rows can go through pallas_kernels.cpu.layer_tail's calls: one segment of
     rows the cpu attention's kernel takes, on one device."""
     return (not isinstance(metas, DenseContext) and len(metas) == 1 and attention == "cpu"
             and cfg.tensor_parallel == 1 and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
@@ -450,7 +450,7 @@ def _one_kernel_step(cfg: ModelConfig, attention: str, metas) -> bool:
 
 def _whole_layer_operands(cfg: ModelConfig, attention: str, metas, x, p, k_pages) -> Optional[tuple]:
     """(qkv_w, in_gain, o_w, gain, gate_up_w, down_w) of the decoder layer with parameters ``p``
-    where it runs as one kernel call (pallas_kernels.layer_tail.decoder_layer) on ``x``: a step
+    where it runs as one kernel call (pallas_kernels.cpu.layer_tail.decoder_layer) on ``x``: a step
     :func:`_one_kernel_step` takes, no QKV bias, the packed projections present for these rows
     (:func:`_few_rows`) and fitting the kernel (layer_tail.decoder_layer_applies); else None."""
     if not _one_kernel_step(cfg, attention, metas) or cfg.qkv_bias:
@@ -497,7 +497,7 @@ class LlamaForCausalLM(nn.Module):
         return logits.astype(jnp.float32)
 
     def _stack(self, x, metas, k_pages, n: int) -> Optional[list]:
-        """The operands of the first ``n`` layers for pallas_kernels.layer_tail.decoder_stack, where
+        """The operands of the first ``n`` layers for pallas_kernels.cpu.layer_tail.decoder_stack, where
         each of them would run as one decoder_layer call (:func:`_whole_layer_operands`); else None."""
         if n == 0 or self.is_initializing():
             return None

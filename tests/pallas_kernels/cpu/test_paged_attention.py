@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (pallas_kernels/paged_attention_cpu.cc through XLA's FFI)
+"""The CPU paged-attention kernel (pallas_kernels/cpu/paged_attention_cpu.cc through XLA's FFI)
 against the contract's reference: shuffled pages, poisoned pages and table slots past each
 sequence (NaN, invalid and foreign page ids), ragged q_lens and kv_lens across page and
 256-key chunk boundaries, GQA ratios, head dims; a row's result independent of the rows
@@ -13,8 +13,8 @@ import pytest
 
 from attention_cases import TOL, Case, make_inputs
 from jspec.attention import paged_attention_xla
-from pallas_kernels import cpu_kernels
-from pallas_kernels.paged_attention_cpu import paged_attention_cpu, paged_attention_cpu_reference
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.paged_attention import paged_attention_cpu, paged_attention_cpu_reference
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
 

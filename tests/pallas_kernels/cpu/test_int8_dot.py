@@ -1,4 +1,4 @@
-"""The small-row kernel's int8 dot-product layout (pallas_kernels.small_rows.pack_int8_dot,
+"""The small-row kernel's int8 dot-product layout (pallas_kernels.cpu.small_rows.pack_int8_dot,
 EngineConfig.quantized_activations): the layout holds the GGUF file's weights exactly; the product
 quantizes x as its reference does and sums as it does (equal up to float rounding), moves the
 result by no more than x's rounding can, and gives each row the same bits whatever rows it is
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from quant_blocks import bits, fused_operands, verify_step_operands, weights
-from pallas_kernels import cpu_kernels
-from pallas_kernels.layer_tail import decoder_layer, decoder_layer_reference, layer_tail, layer_tail_reference
-from pallas_kernels.small_rows import (
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.layer_tail import decoder_layer, decoder_layer_reference, layer_tail, layer_tail_reference
+from pallas_kernels.cpu.small_rows import (
     DOT_ROWS,
     FUSED_TARGET,
     TARGET,

@@ -1,4 +1,4 @@
-"""The CPU layer-tail kernel (pallas_kernels/layer_tail.cc: attention, o_proj + residual,
+"""The CPU layer-tail kernel (pallas_kernels/cpu/layer_tail.cc: attention, o_proj + residual,
 RMSNorm, gate/up, SwiGLU, down_proj + residual in one call) and the whole-layer kernel (RMSNorm,
 QKV, RoPE and the K/V write before it) against their references: poisoned pages and table
 slots, ragged q_lens and kv_lens across 256-key chunks, empty sequences, GQA; the pages written
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from attention_cases import Case, make_inputs
-from pallas_kernels import cpu_kernels
-from pallas_kernels.layer_tail import (
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.layer_tail import (
     LAYER_TARGET,
     STACK_TARGET,
     TARGET,
@@ -23,7 +23,7 @@ from pallas_kernels.layer_tail import (
     layer_tail,
     layer_tail_reference,
 )
-from pallas_kernels.small_rows import pack_int8_dot, pack_rows
+from pallas_kernels.cpu.small_rows import pack_int8_dot, pack_rows
 from quant_blocks import weights as quantized_weights
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
@@ -284,7 +284,7 @@ def test_rope_rounds_each_product_before_the_sum(head_dim):
     first, bit for bit, in any compiled program (XLA's elementwise code for it was contracted to
     FMAs in some steps and not others: an engine with drafts prefilled K an ulp away from one
     without); gradients are the reference's. Head dim 40: 16 lanes of each half, then 4 one by one."""
-    from pallas_kernels.layer_tail import ROPE_TARGET, rotate, rotate_reference
+    from pallas_kernels.cpu.layer_tail import ROPE_TARGET, rotate, rotate_reference
 
     half = head_dim // 2
     rng = np.random.default_rng(3)
@@ -306,8 +306,8 @@ def test_the_whole_layer_ropes_as_the_rope_op_does():
     """The K the whole-layer call writes equals the separate path's (the QKV product, then the
     RoPE op) bit for bit: a row gets the same K whether its step runs the layer as one call or
     not (a prefill chunk beside it)."""
-    from pallas_kernels.layer_tail import rotate
-    from pallas_kernels.small_rows import fused_small_rows
+    from pallas_kernels.cpu.layer_tail import rotate
+    from pallas_kernels.cpu.small_rows import fused_small_rows
 
     case = Case(t=5, group=3, head_dim=64, page_size=16, kv_lens=(40,), kv_heads=3)
     _, args = _layer_operands(case, 576, 1536, seed=4)  # clean pages and tables

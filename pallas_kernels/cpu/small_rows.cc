@@ -10,10 +10,10 @@
 //   - plain layout w [N, K] (the tied LM head's embedding table): 4 weight rows side by side,
 //     4 streams, each vector against up to 5 rows of x (a last N % 4 rows one at a time, against
 //     up to 8 rows of x);
-//   - packed layout [N / 4, K / 16, 4, 16] (pallas_kernels.small_rows.pack_rows, made once when
+//   - packed layout [N / 4, K / 16, 4, 16] (pallas_kernels.cpu.small_rows.pack_rows, made once when
 //     the engine loads the weights): 4 weight rows interleaved 16 floats at a time, one stream,
 //     each vector against up to 5 rows of x (5 x 4 accumulators);
-//   - quantized layouts uint8 [N / 4, K / 32, 4, 24 | 36] (pallas_kernels.small_rows.pack_quantized:
+//   - quantized layouts uint8 [N / 4, K / 32, 4, 24 | 36] (pallas_kernels.cpu.small_rows.pack_quantized:
 //     a GGUF file's Q4_1 / Q8_0 blocks, 4 rows interleaved a block at a time): the packed tile's
 //     arithmetic on weights dequantized in registers (see "quantized weights" below), the same
 //     results bit for bit at a fifth of the bytes or less.
@@ -25,7 +25,7 @@
 // -march=native: the 16-lane vectors become AVX-512 where the CPU has it; on a CPU with AVX2 and
 // FMA but not AVX-512 the tiles are written in AVX2 intrinsics (3 rows of x per tile instead of 5,
 // see the second `tile`), and elsewhere the 16-lane vectors are whatever the compiler makes of them.
-// Python reference: pallas_kernels.small_rows.small_rows_matmul_reference.
+// Python reference: pallas_kernels.cpu.small_rows.small_rows_matmul_reference.
 
 #include <algorithm>
 #include <cstddef>
@@ -615,7 +615,7 @@ ffi::Error SmallRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // [R]: one vector pass for the maximum, then the first position that holds it. XLA's CPU code
 // for the same reduction took ~0.6 ms over a verification step's 5 rows of 49,152 logits (the
 // step's own products ~12 ms). NaN entries are passed over; a row with no number gives V - 1,
-// as the reference (pallas_kernels.small_rows.row_argmax_reference) does for an all-NaN row.
+// as the reference (pallas_kernels.cpu.small_rows.row_argmax_reference) does for an all-NaN row.
 ffi::Error RowArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
   const auto d = x.dimensions();
   if (d.size() != 2 || d[1] < 1) return ffi::Error::InvalidArgument("row_argmax: expected x [R, V] with V >= 1");

@@ -11,7 +11,7 @@ contract's plain-jnp oracle).
 
 The wrapper lowers to the kernel on the CPU only, for float32 queries over pages of float32,
 float16, bfloat16 or 8-bit floats (each element widened to float32 as it is read), when the kernels are built
-(:func:`pallas_kernels.cpu_kernels.available`); elsewhere it lowers to ``fallback`` (default: the
+(:func:`pallas_kernels.cpu.build.available`); elsewhere it lowers to ``fallback`` (default: the
 reference). Results equal the reference's up to float rounding.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_kernels import available
+from pallas_kernels.cpu.build import available
 from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference)
 

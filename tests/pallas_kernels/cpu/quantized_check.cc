@@ -4,7 +4,7 @@
 // dequantized and packed, bit for bit, for 1 .. 9 rows of x; the int8 dot layouts must equal their
 // scalar definition (check_dot). Prints "ok" or the first difference.
 //
-//   g++ -O2 -std=c++17 -march=... -I$(jax include) -Ipallas_kernels quantized_check.cc -o check
+//   g++ -O2 -std=c++17 -march=... -I$(jax include) -Ipallas_kernels/cpu quantized_check.cc -o check
 #include "small_rows.cc"
 
 #include <cstdio>

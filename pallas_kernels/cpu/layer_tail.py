@@ -11,7 +11,7 @@ K/V write on:
 
 A decode step on the CPU is bound by reading the weights, and each kernel call costs the time
 the pool's helper thread takes to join it and the wait for its last chunk; the layer made five
-kernel calls (pallas_kernels.small_rows products, pallas_kernels.paged_attention_cpu) and a dozen
+kernel calls (pallas_kernels.cpu.small_rows products, pallas_kernels.cpu.paged_attention) and a dozen
 small XLA ops, and runs here as the phases of one call, the helper joining once. The file keeps
 the kernels' shape: the kernels, validated wrappers (:func:`decoder_layer`, :func:`layer_tail`,
 which lower to the kernel on the CPU where it is built and to the reference elsewhere) and the
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_kernels import available
+from pallas_kernels.cpu.build import available
 from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference, write_kv)
-from pallas_kernels.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
+from pallas_kernels.cpu.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
                                       quantized_type)
 
 TARGET = "jspec_layer_tail"
@@ -68,7 +68,7 @@ def check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x,
                             ("down_w", down_w, (hidden, inter))):
         if packed_dims(w) is None:
             raise ValueError(f"layer_tail: {name} must be packed [N / {PACK_ROWS}, K / {LANES}, {PACK_ROWS}, {LANES}] "
-                             f"or quantized (pallas_kernels.small_rows.pack_quantized), got {w.dtype} {w.shape}")
+                             f"or quantized (pallas_kernels.cpu.small_rows.pack_quantized), got {w.dtype} {w.shape}")
         if packed_dims(w) != (n, k):
             raise ValueError(f"layer_tail: {name} must pack [{n}, {k}] with no padding (N a multiple of "
                              f"{PACK_ROWS}, K of {LANES}), got shape {w.shape}")
@@ -99,7 +99,7 @@ def layer_tail(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain,
     """``q`` [B, T, Hq, D] over the pages [KVH, P, S, D] (``block_tables`` [B, W], ``kv_lens`` and
     ``q_lens`` [B], K/V already written: the verification-attention contract), then through the
     packed projections ``o_w`` [H, Hq D], ``gate_up_w`` [2 I, H] and ``down_w`` [H, I]
-    (:func:`pallas_kernels.small_rows.pack_rows`) with ``x`` [B T, H] the residual stream and
+    (:func:`pallas_kernels.cpu.small_rows.pack_rows`) with ``x`` [B T, H] the residual stream and
     ``gain`` [H] the post-attention RMSNorm's -> [B T, H]. One kernel call where
     :func:`applies`; :func:`layer_tail_reference` elsewhere."""
     check_layer_tail_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, x, o_w, gain, gate_up_w, down_w)

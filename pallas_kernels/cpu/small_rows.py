@@ -5,7 +5,7 @@ CPU backend 2 or more rows go through a general matrix product that re-packs the
 5-row product costs ~1.5x a 1-row one, though both must read the same bytes (BENCHMARKS.md,
 issue 11). This is not a Pallas kernel (Pallas has no CPU backend outside interpret mode): it is
 a C++ kernel (``small_rows.cc`` beside this file) called through XLA's FFI, built at first use
-with the machine's C++ compiler and ``-march=native``, and cached (:mod:`pallas_kernels.cpu_kernels`). The file keeps the kernels'
+with the machine's C++ compiler and ``-march=native``, and cached (:mod:`pallas_kernels.cpu.build`). The file keeps the kernels'
 shape: the kernel, a validated wrapper (:func:`small_rows_matmul`), and
 :func:`small_rows_matmul_reference` in plain ``jnp`` with the same signature.
 
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_kernels import available
+from pallas_kernels.cpu.build import available
 
 TARGET = "jspec_small_rows"
 FUSED_TARGET = "jspec_small_rows_fused"

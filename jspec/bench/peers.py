@@ -1,6 +1,6 @@
 """Hugging Face transformers as a peer of ``jspec bench``: the same weights in PyTorch on the CPU.
 
-:func:`transformers_peers` returns :class:`~jspec.engine.bench.Method` rows whose ``run``
+:func:`transformers_peers` returns :class:`~jspec.bench.run.Method` rows whose ``run``
 calls ``model.generate`` greedily with EOS respected: plain greedy, prompt lookup
 (``prompt_lookup_num_tokens``) and, given a draft checkpoint, assisted generation with that
 draft exported to a Hugging Face directory. Their tokens are compared with jspec AR's but a
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from jspec.engine.bench import GREEDY, PROMPT_LOOKUP, Method, Run
+from jspec.bench.run import GREEDY, PROMPT_LOOKUP, Method, Run
 from jspec.errors import CheckpointError
 
 PROMPT_LOOKUP_TOKENS = 10

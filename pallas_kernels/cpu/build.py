@@ -3,13 +3,13 @@
 Pallas has no CPU backend outside interpret mode, so the two places where XLA's CPU code is far
 from what the bytes cost have kernels of their own, in C++ beside this file:
 
-- ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.small_rows`), and
+- ``small_rows.cc``: a product of a few rows by a weight (:mod:`pallas_kernels.cpu.small_rows`), and
   each row's argmax (the greedy pick over the vocabulary);
 - ``paged_attention_cpu.cc``: verification attention over the pages, read in place
-  (:mod:`pallas_kernels.paged_attention_cpu`);
+  (:mod:`pallas_kernels.cpu.paged_attention`);
 - ``layer_tail.cc``: both of them for a whole decoder layer (norm, QKV, RoPE, the K/V write,
   attention, o_proj, norm, MLP) in one call, or the part after the K/V write
-  (:mod:`pallas_kernels.layer_tail`).
+  (:mod:`pallas_kernels.cpu.layer_tail`).
 
 They are compiled together, at first use, with the machine's C++ compiler (``$CXX`` or ``c++``)
 and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (default

@@ -14,7 +14,7 @@ burst, 0 .. K, by its measured step costs (``SpecConfig.dynamic_k``), e.g. ``ngr
 beside ``ngram:4``; a draft, eagle or hybrid method ``+f32`` keeps its drafter's weights in float32
 (``SpecConfig.draft_quantization`` None; by default they are Q8_0 blocks on the CPU). Every jspec method runs the prompts in order through one
 engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
-(:mod:`jspec.engine.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
+(:mod:`jspec.bench.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
 and prompt lookup on the same weights, and its assisted generation with a draft.
 
 Greedy speculative decoding is lossless, so every jspec method's tokens must equal jspec AR's
@@ -43,7 +43,7 @@ from jspec.errors import ConfigError, JspecError
 
 DEFAULT_K = 4
 HISTORY_TOKENS = 8192  # ``+history``: the lookup history (SpecConfig.ngram_history) of such a method
-GREEDY, PROMPT_LOOKUP = "transformers greedy", "transformers prompt lookup"  # the peers' rows (jspec.engine.peers)
+GREEDY, PROMPT_LOOKUP = "transformers greedy", "transformers prompt lookup"  # the peers' rows (jspec.bench.peers)
 
 
 class GreedyMismatchError(JspecError):
@@ -392,9 +392,9 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
               warmup_tokens: int = 8, sampling: Optional[SamplingParams] = None,
               kv_cache_dtype: str = "auto", quantized_activations: bool = False) -> BenchReport:
     """Run ``methods`` (jspec AR first, as :func:`parse_methods` orders them; peers from
-    :func:`jspec.engine.peers.transformers_peers` after) on every prompt; see the module
+    :func:`jspec.bench.peers.transformers_peers` after) on every prompt; see the module
     docstring. ``profile`` adds draft / verify / plain step times of each speculative method
-    (:func:`jspec.engine.profile.profile_step` on the first prompt's state).
+    (:func:`jspec.bench.profile.profile_step` on the first prompt's state).
 
     ``sampling`` (default greedy) sets temperature / top-k / top-p / seed for the jspec methods
     (``max_tokens`` is this function's). Sampled, a speculative method's tokens follow the
@@ -459,7 +459,7 @@ def run_bench(model, prompts: Sequence, methods: Sequence[Method], *, max_tokens
     for r, p in zip(results, peak):
         r.peak_rss_mb = p
     if profile:
-        from jspec.engine.profile import profile_step
+        from jspec.bench.profile import profile_step
 
         for m, r in zip(methods, results):
             if m.spec is not None and m.spec.enabled and m.run is None:

@@ -1,4 +1,4 @@
-"""The CPU small-row kernel on GGUF's quantized blocks (pallas_kernels.small_rows.pack_quantized):
+"""The CPU small-row kernel on GGUF's quantized blocks (pallas_kernels.cpu.small_rows.pack_quantized):
 the layout dequantizes to exactly what the ``gguf`` package makes of the file, and every kernel
 that takes a packed float32 weight (the product, the fused product, the layer tail, the whole
 layer) gives the same bits from the quantized form of that weight; gradients, the fallback
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from quant_blocks import bits, fused_operands, random_blocks, verify_step_operands, weights
-from pallas_kernels import cpu_kernels
-from pallas_kernels.layer_tail import decoder_layer, layer_tail
-from pallas_kernels.small_rows import (
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.layer_tail import decoder_layer, layer_tail
+from pallas_kernels.cpu.small_rows import (
     FUSED_TARGET,
     TARGET,
     check_small_rows_args,

@@ -1,4 +1,4 @@
-"""The CPU small-row kernel (pallas_kernels/small_rows.cc through XLA's FFI) against its
+"""The CPU small-row kernel (pallas_kernels/cpu/small_rows.cc through XLA's FFI) against its
 reference, over row counts, both layouts and shapes that are not multiples of the tiles; its
 rows independent of their neighbours; its gradient; where it lowers and where it does not."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_kernels
-from pallas_kernels.small_rows import (
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.small_rows import (
     FUSED_TARGET,
     check_small_rows_args,
     fused_small_rows,
@@ -165,7 +165,7 @@ def test_row_argmax_is_the_first_index_of_the_maximum(shape):
     """``row_argmax`` (the greedy pick of jspec.sampling.argmax on the CPU): jnp.argmax's index
     for every row: ties (first wins), -inf rows, +inf, the maximum in the last lanes or past the
     last full vector, under jit and vmap."""
-    from pallas_kernels.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
+    from pallas_kernels.cpu.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
 
     rng = np.random.default_rng(sum(shape))
     x = np.round(rng.normal(size=shape) * 2) / 2  # ties everywhere, the maximum included
@@ -185,7 +185,7 @@ def test_row_argmax_is_the_first_index_of_the_maximum(shape):
 
 @needs_kernel
 def test_row_argmax_passes_nan_over_and_falls_back_without_the_kernel(monkeypatch):
-    from pallas_kernels.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
+    from pallas_kernels.cpu.small_rows import ARGMAX_TARGET, row_argmax, row_argmax_reference
 
     x = np.zeros((3, 40), np.float32)
     x[0, 5], x[0, 9] = np.nan, 2.0

@@ -13,7 +13,7 @@ constexpr int64_t kChunkRows = 64;  // weight rows per unit of work handed to a 
 
 inline int64_t product_chunks(int64_t N) { return (N + kChunkRows - 1) / kChunkRows; }
 
-// How a weight [N, K] (its rows) lies in memory (pallas_kernels.small_rows):
+// How a weight [N, K] (its rows) lies in memory (pallas_kernels.cpu.small_rows):
 //   kPlain   float32 [N, K];
 //   kPacked  float32 [N / 4, K / 16, 4, 16]: 4 rows interleaved 16 floats at a time (pack_rows);
 //   kQ4_1    uint8 [N / 4, K / 32, 4, 24]: 4 rows interleaved one 32-weight block at a time, each
@@ -27,7 +27,7 @@ inline int64_t product_chunks(int64_t N) { return (N + kChunkRows - 1) / kChunkR
 // the packed floats, so it gives the packed float32 weight's result bit for bit, reading 0.75
 // (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
 //   kQ4_1Dot uint8 [N / 16, K / 32, 16, 24] and kQ8_0Dot uint8 [N / 16, K / 32, 16, 36]: the same
-//            blocks arranged for integer dot products (pallas_kernels.small_rows.pack_int8_dot), 16
+//            blocks arranged for integer dot products (pallas_kernels.cpu.small_rows.pack_int8_dot), 16
 //            rows a block at a time. Q4_1: float32 d [16], float32 m [16], then 4 vectors of 64
 //            bytes, vector t's byte 4 j + u = q_j[4 t + u] | q_j[16 + 4 t + u] << 4 (row j's
 //            weights); Q8_0: float32 d [16], then 8 vectors, byte 4 j + u of vector t = q_j[4 t + u]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jspec import attention
-from pallas_kernels import cpu_kernels
-from pallas_kernels.small_rows import small_rows_matmul, small_rows_matmul_reference
+from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu.small_rows import small_rows_matmul, small_rows_matmul_reference
 
 
 def test_a_failed_build_falls_back_to_xla(monkeypatch, tmp_path, caplog):

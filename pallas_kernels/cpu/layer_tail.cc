@@ -7,9 +7,9 @@
 //
 // q [B, T, Hq, D], k_pages / v_pages [KVH, P, S, D], block_tables int32 [B, W], kv_lens and
 // q_lens int32 [B] as paged_attention_cpu.cc takes them; x [M, H] with M = B T; the weights packed
-// (pallas_kernels.small_rows.pack_rows, K a multiple of 16 and N of 4, not padded): o
+// (pallas_kernels.cpu.small_rows.pack_rows, K a multiple of 16 and N of 4, not padded): o
 // [H / 4, Hq D / 16, 4, 16], gate_up [2 I / 4, H / 16, 4, 16], down [H / 4, I / 16, 4, 16],
-// or any of them in a quantized layout (pallas_kernels.small_rows.pack_quantized: a GGUF file's
+// or any of them in a quantized layout (pallas_kernels.cpu.small_rows.pack_quantized: a GGUF file's
 // Q4_1 / Q8_0 blocks; the same results bit for bit); gain [H]. Out [M, H].
 //
 // The same arithmetic as the separate calls it replaces (the attention kernel, three small-row
@@ -17,7 +17,7 @@
 // and at each one the pool's helper thread had to be woken (or was not yet awake) and the last
 // chunk waited for; here the helper is scheduled once for the seven phases (jspec_cpu::run_phases),
 // and a thread left without work at the end of a phase reads the next weight ahead.
-// Reference: pallas_kernels.layer_tail.layer_tail_reference.
+// Reference: pallas_kernels.cpu.layer_tail.layer_tail_reference.
 
 #include <algorithm>
 #include <cstdint>
@@ -67,7 +67,7 @@ inline jspec_cpu::v16 rounded(jspec_cpu::v16 v) {
 
 // Rotate-half RoPE of one head's D values: out[d] = x[d] c[d] - x[d + D/2] s[d], out[d + D/2] =
 // x[d + D/2] c[d + D/2] + x[d] s[d + D/2], each product rounded to float32, then the sum, as
-// pallas_kernels.layer_tail.rotate_reference computes it without FMAs; 16 lanes at a time, then
+// pallas_kernels.cpu.layer_tail.rotate_reference computes it without FMAs; 16 lanes at a time, then
 // the last D/2 % 16 one by one (the same operations on each element). The whole layer's call and
 // the RoPE op (jspec_rope) both use it, so a row gets the same bits on either path; XLA's own
 // elementwise code for the formula was contracted into FMAs in some compiled steps and not in

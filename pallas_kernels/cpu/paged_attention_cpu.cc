@@ -36,7 +36,7 @@
 // tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x
 // 32 floats, exp and softmax in 8 lanes, and the key and value rows prefetched 4 blocks ahead.
 //
-// Built with pallas_kernels/small_rows.cc into one library (pallas_kernels/cpu_kernels.py).
+// Built with pallas_kernels/cpu/small_rows.cc into one library (pallas_kernels/cpu/build.py).
 // Reference: pallas_kernels.paged_verify_attention.paged_verify_attention_reference.
 
 #include <algorithm>
