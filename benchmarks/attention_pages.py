@@ -1,4 +1,4 @@
-"""The CPU attention kernel alone over pages of each dtype (twenty-fifth session).
+"""The CPU attention kernel alone over pages of each dtype (measured 2026-12-05).
 
     python benchmarks/attention_pages.py [--contexts 100,1000] [--q-lens 1,5]
                                          [--dtypes float32,float16,bfloat16] [--repeats 30]

@@ -1,4 +1,4 @@
-"""What one trip of the xla attention loop costs on the CPU (issue 11, item 5), apart from the model.
+"""What one trip of the xla attention loop costs on the CPU, apart from the model.
 
     python benchmarks/attention_trips.py [--contexts 100,250,500,1000] [--block-keys 256,512,cpu]
                                          [--profile-context 1000] [--batch 1] [--q-len 1]

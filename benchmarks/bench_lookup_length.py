@@ -10,7 +10,7 @@ at k = 4, each at every ``ngram_max`` in ``--lengths`` (the shortest match left 
 for n-gram, 2 for the hybrid). ``benchmarks/hybrid_policy.py`` replays the same choice without
 the engine. The run of 7 methods x 32 prompts with ``--profile`` used to pass Linux's
 vm.max_map_count (``jspec bench`` built an engine per prompt and kept every one's programs);
-with one engine per method it completes (BENCHMARKS.md, sixteenth session).
+with one engine per method it completes (measured 2026-12-03).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ chunk) / (completion tokens - 1) (``usage`` in the final chunk). Throughput = co
 of the rate's requests over the time from its first send to its last reply. Acceptance comes from
 the server's own ``/metrics`` (vLLM's spec-decode counters), as a delta over the rate.
 
-Goals (issue 13): at the lowest rate speculation lowers p50 TPOT by >= 1.3x; at the highest rate
+Goals: at the lowest rate speculation lowers p50 TPOT by >= 1.3x; at the highest rate
 dynamic k is no worse than speculation off. The script prints whether this run met them.
 """
 

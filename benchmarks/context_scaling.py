@@ -1,4 +1,4 @@
-"""How a decode step and a k = 4 verification step grow with the context (issue 11, item 5).
+"""How a decode step and a k = 4 verification step grow with the context.
 
     python benchmarks/context_scaling.py [--contexts 100,250,500,1000] [--k 4] [--rounds 3]
                                          [--repeats 10] [--attention auto | xla,cpu]

@@ -1,4 +1,4 @@
-"""EAGLE-3's ideas one at a time (issue 10, item 2): fused target layers, the training-time
+"""EAGLE-3's ideas one at a time: fused target layers, the training-time
 test, the draft vocabulary's size, and the data mix, each trained the same number of steps on
 the same data from the same warm start, scored on the same held-out continuations.
 

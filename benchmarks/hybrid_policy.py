@@ -160,7 +160,7 @@ def main():
     def lookup(n_min):
         return lambda ng, n, **_: "ngram" if ng and n >= n_min else "head"
 
-    jspecs = (3, "latest")  # SpecConfig's ngram_max until the fifteenth session (now 8), the latest occurrence
+    jspecs = (3, "latest")  # the ngram_max of SpecConfig before 2026-12-03 (now 8), the latest occurrence
     policies = {
         "head only": (jspecs, lambda **_: "head"),
         **{f"n-gram only, n <= {n_max}, {pick} occurrence": ((n_max, pick), lambda **_: "ngram")

@@ -1,4 +1,4 @@
-"""Issue 11, item 2: can XLA's CPU backend do a few-row product for what its bytes cost?
+"""Can XLA's CPU backend do a few-row product for what its bytes cost?
 
     python benchmarks/small_row_matmul.py [--q-lens 1,2,5,9] [--repeats 20]
 

@@ -1,5 +1,5 @@
 // The CPU small-row kernel without JAX: its rows() called directly, to compare two versions of
-// pallas_kernels/cpu/small_rows.cc side by side (BENCHMARKS.md, nineteenth session).
+// pallas_kernels/cpu/small_rows.cc side by side (measured 2026-12-04).
 //
 //   INC=$(python -c "import jax; print(jax.ffi.include_dir())")
 //   g++ -O3 -march=native -std=c++17 -fno-math-errno -I$INC -Ipallas_kernels \
@@ -11,12 +11,12 @@
 //                            LM head (96 MB)
 //   ./harness dstream M      the same blocks in the int8 dot layouts, x quantized (quantized_activations)
 //   ./harness astream M      dstream's products on AMX tiles (tdpbsud; a CPU with AMX-INT8 and a kernel
-//                            that grants it): the probe of BENCHMARKS.md's twenty-eighth session, not
+//                            that grants it): a probe (measured 2026-12-05), not
 //                            in the kernel (no faster at a verification's rows)
 //   ./harness MODE M resident  the 30 layers' products (no LM head) on one layer's weights, which stay in
 //                            the two cores' L2 (2.7 MB in the int8 dot layout): the arithmetic alone, no
 //                            memory traffic; against MODE M without it, whether a row count is bound by
-//                            the bytes or by the arithmetic (BENCHMARKS.md, thirtieth session)
+//                            the bytes or by the arithmetic (measured 2026-12-06)
 //
 // Build one binary per version of the kernel and run them alternately: the VM's speed drifts.
 #include KERNEL

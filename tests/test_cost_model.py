@@ -181,7 +181,7 @@ def test_the_prior_forgets_and_leaves_unseen_positions_to_the_request():
 
 
 # Step times on the 2-core CPU with the GGUF's blocks, batch 1, as the engine had them when it
-# settled on k = 0 (BENCHMARKS.md, twenty-fourth session's diagnostic): a k = 1 step 1.18x a plain one.
+# settled on k = 0 (a diagnostic run, 2026-12-05): a k = 1 step 1.18x a plain one.
 CPU_SECONDS = {0: 0.0055, 1: 0.0065, 2: 0.0072, 4: 0.0099}
 
 
@@ -245,7 +245,7 @@ def simulate(cost: CostModel, rates: list[float], seed: int = 0, tokens: int = 1
 def test_one_unlucky_first_request_does_not_keep_a_run_at_k0(seed):
     """A first request whose drafts were rarely accepted (0.15), then nine whose first drafts are
     accepted 65% of the time: without exploration the engine stays at k = 0 until a re-timing
-    burst happens to run k = 1 (64 bursts later; the twenty-fourth session's bench never got there);
+    burst happens to run k = 1 (64 bursts later; a HumanEval bench of 2026-12-05 never got there);
     with it, the requests after the next speculate."""
     rates = [0.15] + [0.65] * 9
     stuck = simulate(calibrated(optimism=0.0, prior=AcceptancePrior()), rates, seed)

@@ -1,4 +1,4 @@
-"""Speculative tests that can fail (issue 12, item 7), end to end through the engine.
+"""Speculative tests that can fail, end to end through the engine.
 
 Greedy equality alone cannot see a useless drafter (one that is never accepted is trivially
 lossless), and a sampled check without a biased control cannot show it has power. So:

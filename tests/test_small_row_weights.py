@@ -1,5 +1,5 @@
 """The packed copy of the layer projections the engine keeps for steps of a few rows on the CPU
-small-row kernel (``EngineConfig(small_row_weights=...)``, issue 11, item 2): same parameters as
+small-row kernel (``EngineConfig(small_row_weights=...)``): same parameters as
 ``nn.Dense``, used exactly for the row counts it is meant for, and the engine's outputs
 unchanged by it."""
 

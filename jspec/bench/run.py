@@ -164,14 +164,14 @@ class EngineRunner:
     one by one. One engine per method, not per prompt: a fresh engine per prompt compiled its
     programs again for each prompt length, kept them all, and a bench of 7 methods x 32 prompts
     ran the process past Linux's memory-map limit (LLVM "Cannot allocate memory";
-    BENCHMARKS.md, fifteenth session). Attention and the page reads follow each row's length,
+    measured 2026-12-03). Attention and the page reads follow each row's length,
     not the table's width, so the larger sizing costs a short prompt nothing measurable.
 
     The prefix cache is emptied before each prompt: only a ``+history`` method's lookup history
     (``SpecConfig.ngram_history``) carries from one prompt to the next, so that each prompt's
     lookup also searches the earlier prompts' text (kept, shared prompt pages cut the prose
-    prompts' TTFT from ~250 to ~120 ms, and that counted as the history's speed; BENCHMARKS.md,
-    2026-12-03, fourteenth session). Dynamic k's cost model carries too, as in a server."""
+    prompts' TTFT from ~250 to ~120 ms, and that counted as the history's speed; measured
+    2026-12-03). Dynamic k's cost model carries too, as in a server."""
 
     def __init__(self, model, spec: SpecConfig, ids: Sequence[list[int]], max_tokens: int, attention: str = "auto",
                  sampling: Optional[SamplingParams] = None, kv_cache_dtype: str = "auto",

@@ -16,11 +16,11 @@ that ran at a k >= j: ``Request.eligible_per_pos``), each pulled towards the pre
 position's estimate times the ratio P_b(j-1) / P_b(j-2) (a0 for the first). A position the
 request has not run at is that ratio carried on: a request run at k = 2 is not taken to reject
 every third draft (counting the steps that could not propose draft 3 as failures kept dynamic
-k at k = 2 where fixed k = 4 ran 1.08x faster; BENCHMARKS.md, 2026-12-03, thirteenth session).
+k at k = 2 where fixed k = 4 ran 1.08x faster; measured 2026-12-03).
 Without those denominators, ``num_drafts`` is every position's, each P pulled towards a^j. This
 counts what proposals really yield: an n-gram match often proposes fewer than k drafts, so a
 per-token acceptance a_b = accepted / proposed with E = 1 + r_b (a_b + ... + a_b^k) (the model
-used when the per-position counts are not given) over-rates large k, and did (BENCHMARKS.md:
+used when the per-position counts are not given) over-rates large k, and did (measured 2026-12-02:
 dynamic k at batch 16 kept k = 4 at 0.69x AR). The burst
 runs at the k with the most expected tokens per second, sum_b E_b(min(k, cap_b)) / t(k); k = 0
 (no speculation) is a candidate, so speculation turns itself off when it stops paying.
@@ -31,17 +31,17 @@ ratio where nothing has run at a position yet), and the pooled share of steps wi
 r_b. Without it a request's first bursts ran on the fixed prior a0^j, which at batch 1 is most of
 a request (a 128-token request runs in a few bursts): on code, where n-gram drafts that match go
 on matching (P_3 / P_2 ~ 0.95), dynamic k then kept k = 2 and ran at 1.63x AR where fixed k = 4
-ran at 1.83x (BENCHMARKS.md, twentieth session).
+ran at 1.83x (measured 2026-12-04).
 Candidates never measured are tried once first. A measured candidate is timed again after
 ``refresh_every`` choices without it (times drift with context length and load), but only while
 its estimated rate is within ``refresh_margin`` of the best one's: re-timing a k that cannot win
 costs a whole burst at that k (at 16 slots on the 2-core CPU a k = 4 step costs 3.4x a plain
 one), and doing so every 64 bursts cost dynamic k 10-20% of its throughput in the later rounds
-of a benchmark (BENCHMARKS.md, engine, 2026-12-03).
+of a benchmark (measured 2026-12-03).
 Speculation turns itself off only on evidence. At k = 0 nothing is proposed, so the acceptance
 that turned it off never moves: one first prompt whose drafts were accepted 10 times in 54 (the
-set's position-1 rate is 0.63-0.66) kept a whole HumanEval run at k = 0 (BENCHMARKS.md,
-twenty-fourth session). So where k = 0 has the best estimated rate, the burst still runs the k > 0
+set's position-1 rate is 0.63-0.66) kept a whole HumanEval run at k = 0 (measured
+2026-12-05). So where k = 0 has the best estimated rate, the burst still runs the k > 0
 whose rate is best on an optimistic estimate, each P_j raised by ``optimism`` standard errors
 (the request's own steps and, through the prior's weight, the pooled ones), if that rate beats
 k = 0's: thin evidence, or a k that costs little more than a plain step, is explored until the

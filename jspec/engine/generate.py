@@ -110,7 +110,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
 
 
 # With dynamic k the host picks k between bursts from the acceptance seen so far: a burst to the end
-# of the budget chose one k per request from the prior alone (BENCHMARKS.md, twentieth session).
+# of the budget chose one k per request from the prior alone (measured 2026-12-04).
 DYNAMIC_K_BURST_STEPS = 16
 
 

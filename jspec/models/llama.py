@@ -195,10 +195,10 @@ def _write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pag
 # parameters carry a packed copy ``weight`` of a projection (with_small_row_weights) and the
 # kernel is built: it reads the weight once for any number of rows, where XLA's CPU dot re-packs
 # it for 2 or more. Up to 16 rows the kernel measured faster than XLA's product (a k = 4 step's 5
-# rows ~1.1x one row, 16 rows ~1.5-2x; XLA 1.3-1.9x); beyond, XLA's (BENCHMARKS.md, issue 11).
+# rows ~1.1x one row, 16 rows ~1.5-2x; XLA 1.3-1.9x); beyond, XLA's (measured 2026-12-02).
 # Where the copy is a GGUF file's Q4_1 / Q8_0 blocks, up to 32: XLA's product then reads the
 # float32 weights, 4.8x the bytes (a k = 4 step at 4 slots, 20 rows: 71.9 ms through XLA, 36.6 on
-# the kernel; BENCHMARKS.md, twenty-fifth session).
+# the kernel; measured 2026-12-05).
 KERNEL_ROWS = range(1, 17)
 QUANTIZED_KERNEL_ROWS = range(1, 33)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -180,7 +180,7 @@ inline v16 vexp(v16 x) {
 // Keeps a loaded vector in its register for the FMAs that use it. Left to itself GCC 12 folds
 // the load into each FMA that reads the vector (vfmadd231ps mem, ...): a tile of 3 x 4 outputs
 // then loads 26 vectors per 24 FMAs instead of 14, and on a core that loads one 256-bit vector
-// per cycle (Zen 1) the loads, not the FMAs, set the pace (BENCHMARKS.md, nineteenth session).
+// per cycle (Zen 1) the loads, not the FMAs, set the pace (measured 2026-12-04).
 inline void pin(__m256& v) { asm("" : "+x"(v)); }
 
 // Sum of the 8 lanes of an AVX2 register (the two halves, then pairwise), the same order always.
@@ -275,7 +275,7 @@ struct Job {
 // that (it runs the phases' functions only for units it claimed before the end; the job itself
 // lives as long as its last holder).
 //
-// Tried and left out (BENCHMARKS.md, twenty-second session): helpers that linger, spinning, after
+// Tried and left out (measured 2026-12-05): helpers that linger, spinning, after
 // their job for the next call's, so as not to sleep between calls: on the 2-core VM a decode
 // step got slower (the lingering thread competes with the thread running XLA's other ops).
 inline void run_phases(xla::ffi::ThreadPool& pool, std::vector<Phase> phases) {

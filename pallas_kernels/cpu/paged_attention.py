@@ -4,7 +4,7 @@ called through XLA's FFI.
 
 XLA's CPU code for the contract (``jspec.attention.paged_attention_xla``) gathers every page of
 a block of keys into a copy before its products, and that gather is most of a decode step's
-growth with the context (BENCHMARKS.md, issue 11). The kernel reads the pages in place, only
+growth with the context (measured 2026-12-01). The kernel reads the pages in place, only
 those a row can see. The file keeps the kernels' shape: the kernel, a validated wrapper
 (:func:`paged_attention_cpu`) and the reference (:func:`paged_attention_cpu_reference`, the
 contract's plain-jnp oracle).

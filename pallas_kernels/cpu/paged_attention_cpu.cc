@@ -29,8 +29,8 @@
 // value pass has several row groups (a verification) it widens the chunk's value rows once too
 // (E4M3 pages 12-17% faster). With one row group (a decode step) widening a whole chunk first
 // (64 KB, past L1) ran no faster than float32 pages, where converting as they load ran a decode
-// step's 30 layers at 1,000 keys in 1.49-1.63 ms against 1.78-1.90 (BENCHMARKS.md, twenty-fifth
-// and twenty-sixth sessions).
+// step's 30 layers at 1,000 keys in 1.49-1.63 ms against 1.78-1.90 (measured
+// 2026-12-05).
 //
 // On a CPU with AVX2 and FMA but not AVX-512 (JSPEC_AVX2_TILES) the same passes run as AVX2
 // tiles sized for 16 registers of 8 floats: scores 3 rows x 4 keys at a time, values 3 rows x

@@ -176,7 +176,7 @@ constexpr int kQuantRows = 4;  // weight rows per tile (the records' interleave)
 // how far ahead the record stream is prefetched (into L2). 16-32 KB ran 4-10% faster than 8 KB in
 // small_rows_harness.cc qstream at 1-5 rows, but in the model's step 32 KB was 5-10% slower (three
 // alternated profiles; a chunk's records are ~27 KB, so it prefetched the other thread's chunk):
-// BENCHMARKS.md, twenty-third session.
+// measured 2026-12-05.
 constexpr int64_t kPrefetchBytes = 8192;
 
 inline float read_f32(const uint8_t* p) {
@@ -265,7 +265,7 @@ void qtile(const float* x, const uint8_t* wt, float* y, int64_t K, int64_t N, in
 // weight is still dequantized once for all R rows, and each accumulator sums the same products in
 // the same order as the packed tile's. (Holding 2 rows of x in registers for all 4 weight rows,
 // as before, dequantized each weight once per 2 rows: a 5-row product cost ~3x a 1-row one, now
-// ~2x; BENCHMARKS.md, twenty-fourth session.)
+// ~2x; measured 2026-12-05.)
 constexpr int kMaxRowsQuant = 5;
 
 // Weights 8 e .. 8 e + 8 of a record (e in 0 .. 3), as float32 (d q is exact: fma(q, d, m) is
@@ -461,7 +461,7 @@ struct DotBlock {
 // bits, which saturate. Taken a nibble at a time the sums cannot: a pair is at most 2 * 15 * 128 =
 // 3,840 and the block's 8 pairs per lane at most 30,720 < 32,767, so they are added in 16 bits, then
 // vpmaddwd widens each lane's two halves to 32 (Q8_0's bytes as low + 16 high nibble). The exact
-// integer sums of the VNNI path (BENCHMARKS.md, twenty-eighth session: the 32-bit multiplies of the
+// integer sums of the VNNI path (measured 2026-12-05: the 32-bit multiplies of the
 // plain fallback made an AVX2 build's int8 verification 2.3x slower than its float one).
 template <Layout L>
 struct DotBlock {
@@ -756,8 +756,8 @@ void rms_norm_rows(const float* x, const float* g, float* out, int64_t M, int64_
     float inv = 1.f;
     if (g != nullptr) {
       // the squares summed in 16 lanes (lane l: elements l, l + 16, ...), then across the lanes
-      // and the last K0 % 16 in order, whatever M is. (One chain of K0 dependent adds, as until the
-      // thirtieth session, took ~0.7 us a row at K0 = 576: two norms a layer, in phases of one unit.)
+      // and the last K0 % 16 in order, whatever M is. (One chain of K0 dependent adds took ~0.7 us a
+      // row at K0 = 576, measured 2026-12-06: two norms a layer, in phases of one unit.)
       v16 acc = v16{};
       int64_t k = 0;
       for (; k + kLanes <= K0; k += kLanes) {

@@ -2,8 +2,8 @@
 
 A decode step multiplies 1 row per sequence by each weight, a verification k + 1 rows. On XLA's
 CPU backend 2 or more rows go through a general matrix product that re-packs the weight, so a
-5-row product costs ~1.5x a 1-row one, though both must read the same bytes (BENCHMARKS.md,
-issue 11). This is not a Pallas kernel (Pallas has no CPU backend outside interpret mode): it is
+5-row product costs ~1.5x a 1-row one, though both must read the same bytes (measured
+2026-12-01). This is not a Pallas kernel (Pallas has no CPU backend outside interpret mode): it is
 a C++ kernel (``small_rows.cc`` beside this file) called through XLA's FFI, built at first use
 with the machine's C++ compiler and ``-march=native``, and cached (:mod:`pallas_kernels.cpu.build`). The file keeps the kernels'
 shape: the kernel, a validated wrapper (:func:`small_rows_matmul`), and
