@@ -70,6 +70,7 @@ def cmd_info(args) -> int:
 
     import jspec
     from jspec.loading import smollm2_path
+    from pallas_kernels.cpu import build as cpu_kernels
 
     print(f"jspec {jspec.__version__}")
     for pkg in ("jax", "jaxlib", "flax", "optax", "chex", "transformers", "numpy", "gguf", "safetensors"):
@@ -80,6 +81,7 @@ def cmd_info(args) -> int:
     print(f"backend {jax.default_backend()}")
     for d in jax.devices():
         print(f"device {d.id}: {d.platform} {getattr(d, 'device_kind', '')}")
+    print(f"cpu kernels {cpu_kernels.status()}")  # read, never built, here
     try:
         print(f"default model {jspec.DEFAULT_MODEL}: {smollm2_path()}")
     except jspec.JspecError as e:
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
     add_bench_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
 
-    i = sub.add_parser("info", help="versions, backend, devices and the default model's path")
+    i = sub.add_parser("info", help="versions, backend, devices, the CPU kernels' build and the default model's path")
     i.set_defaults(func=cmd_info)
 
     try:

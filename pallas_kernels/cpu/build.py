@@ -11,19 +11,34 @@ from what the bytes cost have kernels of their own, in C++ beside this file:
   attention, o_proj, norm, MLP) in one call, or the part after the K/V write
   (:mod:`pallas_kernels.cpu.layer_tail`).
 
-They are compiled together, at first use, with the machine's C++ compiler (``$CXX`` or ``c++``)
+They are tuned for CPUs with AVX-512 or AVX2 + FMA (:func:`vector_extensions`). On such a CPU
+they are compiled together, at first use, with the machine's C++ compiler (``$CXX`` or ``c++``)
 and ``-march=native``, into one library cached under ``$JSPEC_KERNEL_CACHE`` (default
-``~/.cache/jspec/kernels``), keyed by the sources, the compiler, jax and the CPU's flags; the
-library is built in a temporary file and renamed, so a cache never holds half a build. Where
-there is no compiler, the build fails, or ``JSPEC_CPU_KERNELS=0``, :func:`available` is False
-(with one logged warning) and every caller runs its plain-XLA reference instead. The model and
-"auto" attention use them only where they are faster than XLA (:func:`preferred`): on CPUs
-with AVX-512 or AVX2 + FMA.
+``~/.cache/jspec/kernels``), keyed by the sources, the compiler, jax and the CPU's flags. The
+build:
+
+- says so, in one logged warning ("jspec: compiling the CPU kernels ..."): it takes ~30 s, once
+  per key, and Python's logging shows nothing below a warning unless it is configured;
+- holds a lock (``flock`` on ``jspec-cpu-KEY.lock`` beside the library), so processes that start
+  together compile once: the others wait, then load the same library;
+- writes the library aside and renames it, so a cache never holds half a build;
+- remembers a failure: a compiler error is written to ``jspec-cpu-KEY.failed`` and no later
+  process tries that key again (another compiler, jax, CPU or source does);
+  ``JSPEC_KERNEL_RETRY=1`` or :func:`retry` tries again.
+
+``JSPEC_CPU_KERNELS=0`` switches them off; ``1`` builds and uses them on any CPU; unset (or
+``auto``) builds them only on a CPU they are tuned for. Where they are switched off, the CPU is
+not one they serve, there is no compiler, or the build fails, :func:`available` is False (a
+failure with one logged warning) and every caller runs its plain-XLA reference instead.
+:func:`status` says which, without building anything (``jspec info`` prints it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
+import fcntl
 import functools
 import hashlib
 import logging
@@ -33,6 +48,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import Iterator, Optional
 
 import jax
 
@@ -46,6 +62,44 @@ TARGETS = {"jspec_small_rows": "JspecSmallRows", "jspec_small_rows_fused": "Jspe
            "jspec_decoder_layer": "JspecDecoderLayer", "jspec_row_argmax": "JspecRowArgmax",
            "jspec_rope": "JspecRope", "jspec_decoder_stack": "JspecDecoderStack"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# What the log line promises: one build took 24 and 39 s on a 2-core AVX-512 development machine
+# (the kernel cache's file times, 2026-12-06).
+TYPICAL_BUILD_S = 30
+COMPILE_TIMEOUT_S = 600
+RETRY_ENV = "JSPEC_KERNEL_RETRY"
+
+KERNELS = ("small_rows", "attention")
+NO_TILES = "neither AVX-512 nor AVX2 + FMA"
+STATES = ("built", "building", "unavailable", "not built yet")
+
+
+class BuildError(RuntimeError):
+    """The kernels are not built here: not wanted on this CPU, no compiler, or the compiler failed
+    (now or in an earlier build with the same key)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    """Where the CPU kernels stand, read without building them (:func:`status`).
+
+    state: "built" (the library is in the cache), "building" (another process or thread holds the
+        build's lock), "unavailable" (``reason`` says why: switched off, a CPU they do not serve,
+        no compiler, a failed build) or "not built yet" (they compile at first use).
+    reason: one line for a person.
+    path: the library (built, building, not built yet: where it goes), the failed build's marker
+        with the compiler's whole error, or None.
+    """
+
+    state: str
+    reason: str
+    path: Optional[pathlib.Path] = None
+
+    def __post_init__(self):
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+
+    def __str__(self) -> str:
+        return f"{self.state} ({self.reason})" + (f": {self.path}" if self.path else "")
 
 
 def _cache_dir() -> pathlib.Path:
@@ -66,27 +120,151 @@ def _cpu_flags() -> str:  # -march=native: a build is only good for the CPU it w
     return platform.processor() or platform.machine()
 
 
-def build() -> pathlib.Path:
-    """Compile the kernels (once per sources, compiler, jax and CPU) and return the library."""
+def vector_extensions(flags=None) -> str:
+    """Which vector extensions the kernels have tiles for this CPU has (or a CPU with ``flags``,
+    /proc/cpuinfo's names): "AVX-512", "AVX2 + FMA" or :data:`NO_TILES`."""
+    flags = set(_cpu_flags().split() if flags is None else flags)
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2 + FMA" if {"avx2", "fma"} <= flags else NO_TILES
+
+
+def _refusal() -> Optional[str]:
+    """Why the kernels are not wanted here, or None where they are: switched off, or a CPU
+    without the vectors they are tuned for (where XLA's own code is as fast or faster)."""
+    mode = os.environ.get("JSPEC_CPU_KERNELS", "auto")
+    if mode == "0":
+        return "switched off by JSPEC_CPU_KERNELS=0"
+    if mode != "1" and vector_extensions() == NO_TILES:
+        return f"this CPU has {NO_TILES}, the vectors they are tuned for; JSPEC_CPU_KERNELS=1 builds them anyway"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """One build's compiler and files, named by its key (sources, compiler, flags, jax, CPU)."""
+
+    cxx: str
+    include: str
+    key: str
+    cache: pathlib.Path
+
+    @property
+    def library(self) -> pathlib.Path:
+        return self.cache / f"jspec-cpu-{self.key}.so"
+
+    @property
+    def lock(self) -> pathlib.Path:
+        return self.cache / f"jspec-cpu-{self.key}.lock"
+
+    @property
+    def failure(self) -> pathlib.Path:  # the compiler's error, where this key's build failed
+        return self.cache / f"jspec-cpu-{self.key}.failed"
+
+
+def _plan() -> _Build:
+    """This machine's build: the compiler and the key (runs ``$CXX --version``, compiles nothing)."""
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
-        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+        raise BuildError("no C++ compiler (set CXX or install g++)")
     include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{cxx} --version failed ({e})") from e
     key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
                                     jax.__version__, include, _cpu_flags()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"jspec-cpu-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then renamed: never half-written
-        part = pathlib.Path(tmp) / out.name
-        done = subprocess.run([cxx, *FLAGS, f"-I{include}", f"-I{HERE}", *map(str, SOURCES), "-o", str(part)],
-                              capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(part, out)
-    return out
+    return _Build(cxx, include, key, _cache_dir())
+
+
+def _remembered_failure(b: _Build) -> Optional[str]:
+    """The compiler's error from an earlier build with this key (None if none, or if retrying)."""
+    if os.environ.get(RETRY_ENV) == "1":
+        return None
+    try:
+        return b.failure.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _raise_remembered(b: _Build) -> None:
+    error = _remembered_failure(b)
+    if error is not None:
+        raise BuildError(f"an earlier build of these sources with this compiler failed and is not tried again "
+                         f"({b.failure}; {RETRY_ENV}=1 tries again): {error}")
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path) -> Iterator[None]:
+    """Hold ``path``'s exclusive flock (processes, and threads: each opens its own descriptor)."""
+    with open(path, "a") as f:  # closing it releases the lock, also when the process dies
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("jspec: waiting for another process compiling the CPU kernels (~%d s)...", TYPICAL_BUILD_S)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _held(path: pathlib.Path) -> bool:
+    """Whether someone holds ``path``'s lock: a build is under way. A shared lock taken and
+    dropped at once; a builder arriving in that instant waits for it, no more."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _compile(b: _Build) -> None:
+    """Compile into a temporary file and rename it to the library; on a failure, write the
+    marker (whole, by a rename too) and raise. The caller holds the lock."""
+    log.warning("jspec: compiling the CPU kernels (first use on this machine, ~%d s)...", TYPICAL_BUILD_S)
+    with tempfile.TemporaryDirectory(dir=b.cache) as tmp:
+        part = pathlib.Path(tmp) / b.library.name
+        command = [b.cxx, *FLAGS, f"-I{b.include}", f"-I{HERE}", *map(str, SOURCES), "-o", str(part)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            error = None if done.returncode == 0 else f"{b.cxx} failed: {done.stderr.strip()[-2000:]}"
+        except subprocess.TimeoutExpired:
+            error = f"{b.cxx} ran past {COMPILE_TIMEOUT_S} s"
+        if error is not None:
+            marker = pathlib.Path(tmp) / b.failure.name
+            marker.write_text(error)
+            os.replace(marker, b.failure)
+            raise BuildError(error)
+        os.replace(part, b.library)
+    b.failure.unlink(missing_ok=True)  # a retry that succeeded
+
+
+def build() -> pathlib.Path:
+    """Compile the kernels (once per sources, compiler, jax and CPU) and return the library.
+
+    Processes and threads that call it together compile once: the others wait on the lock and
+    return the same library. Raises :class:`BuildError` where the kernels are not wanted
+    (``JSPEC_CPU_KERNELS=0``, or a CPU they do not serve without ``JSPEC_CPU_KERNELS=1``), there
+    is no compiler, or the compiler fails, now or in an earlier build with the same key (then it
+    is not run again unless ``JSPEC_KERNEL_RETRY=1``)."""
+    refusal = _refusal()
+    if refusal is not None:
+        raise BuildError(f"not built: {refusal}")
+    b = _plan()
+    if b.library.exists():
+        return b.library
+    _raise_remembered(b)
+    b.cache.mkdir(parents=True, exist_ok=True)
+    with _locked(b.lock):
+        if b.library.exists():  # built by the process this one waited for
+            return b.library
+        _raise_remembered(b)  # or failed there
+        _compile(b)
+    return b.library
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,21 +280,49 @@ def _load() -> bool:
 
 
 def available() -> bool:
-    """Whether the kernels are built and registered with XLA's CPU backend (builds them once)."""
-    return os.environ.get("JSPEC_CPU_KERNELS", "auto") != "0" and _load()
+    """Whether the kernels are wanted here, built and registered with XLA's CPU backend (builds
+    them once per process at the first call, or loads the cached library)."""
+    return _refusal() is None and _load()
 
 
-KERNELS = ("small_rows", "attention")
-NO_TILES = "neither AVX-512 nor AVX2 + FMA"
+def retry() -> bool:
+    """Forget this key's failed build and this process's answer, and try again: :func:`available`."""
+    try:
+        _plan().failure.unlink(missing_ok=True)
+    except BuildError:
+        pass
+    _load.cache_clear()
+    return available()
 
 
-def vector_extensions(flags=None) -> str:
-    """Which vector extensions the kernels have tiles for this CPU has (or a CPU with ``flags``,
-    /proc/cpuinfo's names): "AVX-512", "AVX2 + FMA" or :data:`NO_TILES`."""
-    flags = set(_cpu_flags().split() if flags is None else flags)
-    if "avx512f" in flags:
-        return "AVX-512"
-    return "AVX2 + FMA" if {"avx2", "fma"} <= flags else NO_TILES
+def _first_error(error: str) -> str:  # the line of a compiler's output that names the problem
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "no output")
+
+
+def status() -> KernelStatus:
+    """Where the kernels stand on this machine, without building them (it runs ``$CXX --version``
+    to find the build's key): see :class:`KernelStatus`."""
+    refusal = _refusal()
+    if refusal is not None:
+        return KernelStatus("unavailable", refusal)
+    try:
+        b = _plan()
+    except BuildError as e:
+        return KernelStatus("unavailable", str(e))
+    if b.library.exists():
+        if _load.cache_info().currsize and not _load():  # this process loaded it already, and failed
+            return KernelStatus("unavailable", "built, but loading it failed (see the logged warning)", b.library)
+        ext = vector_extensions()
+        served = f"tuned for {ext}" if ext != NO_TILES else f"asked for by JSPEC_CPU_KERNELS=1 on a CPU with {NO_TILES}"
+        return KernelStatus("built", served, b.library)
+    if _held(b.lock):
+        return KernelStatus("building", "another process is compiling them", b.library)
+    error = _remembered_failure(b)
+    if error is not None:
+        return KernelStatus("unavailable", f"the build failed, {RETRY_ENV}=1 tries again: {_first_error(error)}",
+                            b.failure)
+    return KernelStatus("not built yet", f"compiled at first use, ~{TYPICAL_BUILD_S} s", b.library)
 
 
 def tuned_for_this_cpu(kernel: str) -> bool:
@@ -136,5 +342,6 @@ def preferred(kernel: str) -> bool:
     """Whether jspec's model ("small_rows") and attention ("auto" -> "attention") use ``kernel``:
     built, and the CPU is one it is tuned for (:func:`tuned_for_this_cpu`). ``JSPEC_CPU_KERNELS=1``
     uses them on any CPU, ``0`` on none; unset (or ``auto``) decides by the CPU. A direct call
-    of a kernel's function (or ``attention="cpu"``) runs it wherever it is :func:`available`."""
+    of a kernel's function (or ``attention="cpu"``) runs it wherever it is :func:`available`,
+    which on a CPU it is not tuned for takes ``JSPEC_CPU_KERNELS=1`` too."""
     return available() and (os.environ.get("JSPEC_CPU_KERNELS") == "1" or tuned_for_this_cpu(kernel))
