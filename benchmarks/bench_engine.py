@@ -190,7 +190,7 @@ def main():
     ap.add_argument("--online-rates", default="0.5,1,2")
     ap.add_argument("--online-requests", type=int, default=24)
     ap.add_argument("--online-methods", default="ar,ngram:4,dynamic:4")
-    ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "engine_throughput.png"))
+    ap.add_argument("--plot", default="", help="write tokens/s against max_num_seqs to this PNG")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 

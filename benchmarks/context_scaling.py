@@ -12,9 +12,9 @@ HumanEval text (problems concatenated), prefilled and decoded a few steps
 longest context), so that only the context differs. On that state it times the jitted target
 step as the engine runs it, the state donated (``jspec.bench.profile.StepLoop``): a one-token
 decode forward (q_len 1) and the verification forward of k drafts plus greedy acceptance
-(q_len k + 1). ``--no-donate`` times the same functions without the donation, as this script
-did before 2026-12-01: then XLA copies every layer's pages before writing into them, a cost of
-the pool's size. The contexts are timed in interleaved rounds (every context
+(q_len k + 1). ``--no-donate`` times the same functions without the donation: XLA then copies
+every layer's pages before writing into them, a cost of the pool's size that the engine's donated
+steps never pay. The contexts are timed in interleaved rounds (every context
 and q_len once per round, best of ``repeats`` calls each) and the best over rounds is kept, so
 that the VM's drift falls on all of them alike. Printed: ms per step, each against the shortest
 context's decode step of the same variant (attention, weights), and verify / decode at each
