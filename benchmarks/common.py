@@ -38,7 +38,7 @@ def read_bandwidths(size_mb: int = 512, repeats: int = 5) -> dict[str, float]:
     """GB/s of three reads of a ``size_mb`` float32 array, best of ``repeats`` each: numpy's sum
     (one thread), XLA's one-row matrix-vector product, and jspec's CPU small-row kernel at one
     row (both threads). A numpy sum alone reads at about half what this machine's two cores
-    can (BENCHMARKS.md, 2026-12-02), which made an early floor too low."""
+    can (measured 2026-12-02), which made an early floor too low."""
     import jax
     import jax.numpy as jnp
 

@@ -263,10 +263,11 @@ class SpecConfig:
     method: str = "none"
     num_speculative_tokens: int = 4
     # n-gram prompt lookup (ngram, hybrid): longest suffix tried first (8: a longer match predicts
-    # more; 3 -> 8 added 0.02-0.05 to the hybrid's accepted length, BENCHMARKS.md, "a replay") ...
+    # more; 3 -> 8 added 0.02-0.05 to the hybrid's accepted length in a replay of HumanEval's
+    # drafts, 2026-12-03) ...
     ngram_max: int = 8
     # ... down to this length; None: 1 for ngram (a one-token match is worth verifying where a
-    # verification costs little more than a decode step: BENCHMARKS.md, "the shortest match"),
+    # verification costs little more than a decode step; measured 2026-12-03),
     # 2 for hybrid (a one-token match falls to the head there)
     ngram_min: Optional[int] = None
     # ngram, hybrid: also search the last this many tokens of finished requests' text (0: off; see

@@ -11,8 +11,9 @@ launch knobs Pallas' Triton lowering exposes (on both vendors) are ``num_warps``
 ``num_stages``; ROCm-only Triton options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``)
 cannot be set through Pallas.
 
-Nothing in this table was measured on hardware yet: the numbers are starting points reasoned
-from the hardware limits written next to them (see benchmarks/attention_kernel_notes.md), and
+The ``cuda-hopper`` entry was swept and checked on an NVIDIA H200 (2026-11-30; BENCHMARKS.md,
+docs/gpu-kernel.md); the other entries, the ROCm ones included, are starting points reasoned from
+the hardware limits written next to them and have not run on their hardware.
 benchmarks/gpu_attention.py sweeps them.
 
 Picking an entry:

@@ -131,7 +131,7 @@ class CostModel:
         # an eighth as much. A burst's time carries a fixed host cost whatever k runs; weighed
         # like full bursts, one-step bursts inflated k > 0's times (a batch-1 run timed k = 4 at
         # 31-36 ms a step where fixed k = 4 ran at ~25), and dynamic k at 0.25 req/s on the
-        # server ran at 1.00x plain decoding; with this rule, 1.35x (BENCHMARKS.md, 2026-12-03)
+        # server ran at 1.00x plain decoding; with this rule, 1.35x (measured 2026-12-03)
         weight = 1.0 - (1.0 - self.smoothing) ** (steps / self.smoothing_steps)
         self.step_seconds[k] = per if old is None else old + weight * (per - old)
         self._since[k] = 0

@@ -331,7 +331,7 @@ def tuned_for_this_cpu(kernel: str) -> bool:
     kernels have tiles of their own (``JSPEC_AVX2_TILES`` in ``cpu_common.h``). Before those
     existed, the AVX-512 code compiled for AVX2 kept its accumulators in memory and ran slower than
     XLA: the small-row product 133 ms against 47 for 30 layers of projections at 5 rows, the
-    attention 55 ms against 31 for 30 layers at q_len 5 and 1,000 keys (BENCHMARKS.md,
+    attention 55 ms against 31 for 30 layers at q_len 5 and 1,000 keys (measured
     2026-12-03/04). Elsewhere (no FMA, or another architecture) XLA's own code runs."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
