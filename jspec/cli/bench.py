@@ -89,13 +89,15 @@ def _prompts(args) -> list[str]:
 def cmd_bench(args) -> int:
     from jspec.cli import checks, enable_compile_cache
     from jspec.config import CHECKPOINT_METHODS, CacheConfig, SamplingParams
-    from jspec.bench.run import parse_methods, run_bench
+    from jspec.bench.run import parse_methods, pyplot, run_bench
     from jspec.loading import open_checkpoint
 
     # checks that need no model first (jspec.cli.checks)
     methods = parse_methods(args.methods)
     want_peers, assisted = _peers(args.peers)
     prompts = _prompts(args)
+    if args.plot:
+        pyplot()  # without matplotlib, fail now rather than after the run
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
     if sampling.temperature > 0 and want_peers:
