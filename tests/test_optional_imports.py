@@ -32,7 +32,8 @@ def test_every_optional_package_is_in_the_extra_its_error_names():
 
 def test_a_missing_package_names_its_extra(monkeypatch):
     block(monkeypatch, "matplotlib", "matplotlib.pyplot")
-    with pytest.raises(MissingDependencyError, match=r"jspec bench --plot needs matplotlib .*pip install 'jspec\[plot\]'"):
+    with pytest.raises(MissingDependencyError,
+                       match=r"jspec bench --plot needs matplotlib .*pip install 'jspec\[plot\]'"):
         optional_import("matplotlib", "jspec bench --plot")
     with pytest.raises(ImportError):  # still an ImportError for callers that catch that
         bench.pyplot()

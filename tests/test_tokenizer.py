@@ -10,7 +10,8 @@ import pytest
 from jspec.errors import CheckpointNotFoundError
 from jspec.loading import smollm2_path, tokenizer
 
-TEXTS = ["def f(x):\n    return x ** 2  # héllo \t wörld 你好 🙂", " a leading space", "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = ["def f(x):\n    return x ** 2  # héllo \t wörld 你好 🙂", " a leading space",
+         "<|im_start|>user\nhi<|im_end|>"]
 
 
 @pytest.fixture(scope="module")
