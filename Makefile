@@ -35,9 +35,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow"
 
+# The speculative sweep is a preset of jspec bench (jspec.bench.presets); the commit goes with the numbers.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py
-	$(PY) benchmarks/bench_spec.py
+	@echo "git $$(git rev-parse --short HEAD)"
+	$(VENV)/bin/jspec bench --preset spec
 
 clean:
 	rm -rf $(VENV) .pytest_cache

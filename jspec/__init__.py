@@ -28,6 +28,7 @@ from jspec.errors import (
     DraftMismatchError,
     InsufficientMemoryError,
     JspecError,
+    MissingDependencyError,
     PromptError,
     UnsupportedModelError,
 )
@@ -58,7 +59,8 @@ __version__ = "0.2.0"
 __all__ = [
     "CacheConfig", "EngineConfig", "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "DraftMismatchError", "InsufficientMemoryError",
-    "JspecError", "PromptError", "UnsupportedModelError", "LLM", "LLMEngine", "RequestOutput", "CompletionOutput",
+    "JspecError", "MissingDependencyError", "PromptError", "UnsupportedModelError", "LLM", "LLMEngine",
+    "RequestOutput", "CompletionOutput",
     "RequestMetrics", "GenerationResult", "generate", "DEFAULT_MODEL", "LoadedModel", "load_config", "load_model",
     "__version__",
 ]

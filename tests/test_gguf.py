@@ -1,5 +1,6 @@
 """GGUF loading: metadata -> config, dequantization per type, llama.cpp's Q/K permutation undone."""
 
+import chex
 import numpy as np
 import pytest
 
@@ -116,10 +117,7 @@ def test_gguf_dequantizes_and_unpermutes(tmp_path, hf_dir, qtype):
         ref = jspec.load_model(str(hf_dir), tokenizer=False)
         mine = jspec.load_model(str(path), tokenizer=False)
         assert mine.config.num_layers == ref.config.num_layers and mine.config.eos_token_ids == (1,)
-        import jax
-
-        for a, b in zip(jax.tree_util.tree_leaves(ref.params), jax.tree_util.tree_leaves(mine.params), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(ref.params, mine.params)
 
 
 @pytest.mark.parametrize("qtype,scale_offsets", [("Q4_K", [0, 2]), ("Q6_K", [208])])

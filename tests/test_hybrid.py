@@ -14,6 +14,7 @@ greedy (32 tokens, equal); at ~3.5 minutes on 2 loaded cores it is no test here.
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,8 +111,7 @@ def test_propose_takes_lookup_drafts_where_there_is_a_match_and_the_heads_elsewh
     np.testing.assert_array_equal(drafts[2], np.asarray(ref.drafts)[2])  # the head's row, unchanged
     np.testing.assert_array_equal(logits[2], np.asarray(ref.draft_logits)[2])
     # the state is the head's after its chain, whichever rows used it
-    for a, b in zip(jax.tree_util.tree_leaves(got.drafter_state), jax.tree_util.tree_leaves(ref.drafter_state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(got.drafter_state, ref.drafter_state)
 
 
 def test_head_k_caps_the_heads_drafts_not_the_lookups(target, head_params):
@@ -128,7 +128,7 @@ def test_head_k_caps_the_heads_drafts_not_the_lookups(target, head_params):
     got = jax.jit(hybrid.propose, static_argnums=3)(head_params, target.params, state, sp)
     ref = jax.jit(head.propose, static_argnums=3)(head_params, target.params, state, sp)
     assert np.asarray(got.num_drafts).tolist() == [3, 2, 1]
-    assert got.drafts.shape == (3, k) and got.draft_logits.shape == (3, k, cfg.vocab_size)
+    chex.assert_shape([got.drafts, got.draft_logits], [(3, k), (3, k, cfg.vocab_size)])
     assert np.asarray(got.drafts)[0].tolist() == [7, 5, 6]
     np.testing.assert_array_equal(np.asarray(got.drafts)[2, :1], np.asarray(ref.drafts)[2])
     np.testing.assert_array_equal(np.asarray(got.draft_logits)[2, :1], np.asarray(ref.draft_logits)[2])

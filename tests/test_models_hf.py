@@ -4,6 +4,7 @@ Tolerance: max |jspec - transformers| <= 1e-4 on logits of magnitude ~1-10 (floa
 the differences are summation order only).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,8 +86,7 @@ def test_hf_export_roundtrip(tiny_hf_llama, tmp_path):
     model = jspec.load_model(str(tiny_hf_llama))
     tensors = params_to_hf(model.config, model.params)
     again = params_from_hf(model.config, tensors.get)
-    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(model.params, again)
 
 
 def test_sharded_safetensors_with_index(tiny_hf_llama, tmp_path):
@@ -110,8 +110,7 @@ def test_sharded_safetensors_with_index(tiny_hf_llama, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     a = jspec.load_model(str(tiny_hf_llama), tokenizer=False)
     b = jspec.load_model(str(d), tokenizer=False)
-    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a.params, b.params)
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(jspec.CheckpointError, match="missing"):
         jspec.load_model(str(d), tokenizer=False)

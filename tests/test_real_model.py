@@ -119,11 +119,9 @@ SHIPPED = [("eagle", "smollm2-135m-eagle"), ("draft", "smollm2-135m-draft")]
 def test_shipped_drafts_fit_the_default_model(smollm2, method, name):
     """The drafts in checkpoints/ name this GGUF's weights in their cards, load, stay lossless,
     and accept drafts on a held-out HumanEval prompt."""
-    from pathlib import Path
+    from jspec.loading.drafts import read_card, resolve_draft_path
 
-    from jspec.loading.drafts import read_card
-
-    path = Path(__file__).resolve().parents[1] / "checkpoints" / name
+    path = resolve_draft_path(name)
     card = read_card(path)
     assert card["target"]["weights_sha256"] == smollm2.weights_hash()
     assert sum(p.stat().st_size for p in path.iterdir() if p.is_file()) <= 32e6

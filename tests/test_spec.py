@@ -3,6 +3,7 @@ an accepted block, metrics, sampled output distribution, and bad input."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +147,10 @@ def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     engine = prepared_engine(target, PROMPTS[0], jspec.SpecConfig("ngram", 2), warm_steps=2)
     state = jax.tree.map(jnp.copy, engine.runner.state.replace(drafter=None))
     lengths = np.asarray(state.cache.lengths)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)  # the donated state's
     nxt, state = target_step_fn(engine, 1)(engine.runner.params, state)
-    assert nxt.shape == (state.batch,)
+    chex.assert_shape(nxt, (state.batch,))
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, shapes)
     again, state = target_step_fn(engine, 1)(engine.runner.params, state)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(nxt))
     np.testing.assert_array_equal(np.asarray(state.cache.lengths), lengths)
@@ -155,6 +158,8 @@ def test_target_step_fn_and_profile_ops_on_the_engine_state(target):
     (accepted, _), state = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([nxt, wrong], axis=1))
     (rejected, _), state = target_step_fn(engine, 3)(engine.runner.params, state, jnp.stack([wrong, nxt], axis=1))
     assert int(accepted[0]) >= 1 and int(rejected[0]) == 0
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, shapes)
+    chex.assert_tree_all_finite(state.cache)  # the verified rows' K/V, written into the pages
     profs = profile_ops(target, PROMPTS[0], (1, 3), repeats=2, engine=engine)
     assert [p.q_len for p in profs] == [1, 3] and all(p.best_ms > 0 for p in profs)
     assert profs[1].by_category.get("lm_head", 0) > 0

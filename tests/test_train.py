@@ -5,6 +5,7 @@ import dataclasses
 import json
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -78,8 +79,7 @@ def test_eagle_round_trip_is_exact(trained, target, tmp_path):
     params = ckpt.load_eagle(str(path), target)
     ckpt.save_eagle(tmp_path / "copy", params["head"], params["vocab_ids"], ckpt.read_card(path))
     again = ckpt.load_eagle(str(tmp_path / "copy"), target)
-    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(params, again)
 
 
 def test_small_llama_round_trip_is_exact(trained, target, tmp_path):
@@ -88,8 +88,7 @@ def test_small_llama_round_trip_is_exact(trained, target, tmp_path):
     ckpt.save_small_llama(tmp_path / "copy", draft.config, draft.params, vocab, ckpt.read_card(path))
     again, vocab2 = ckpt.load_draft(str(tmp_path / "copy"), target)
     np.testing.assert_array_equal(np.asarray(vocab), np.asarray(vocab2))
-    for a, b in zip(jax.tree_util.tree_leaves(draft.params), jax.tree_util.tree_leaves(again.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(draft.params, again.params)
 
 
 @pytest.mark.parametrize("arch,method", [("eagle", "eagle"), ("small-llama", "draft")])
@@ -149,8 +148,7 @@ def test_resume_continues_exactly(target, tmp_path, monkeypatch):
     run(target, "t", tmp_path / "resumed", _dc("eagle", steps=12), resume=True, **quiet)
     a = ckpt.load_eagle(str(tmp_path / "full"), target)["head"]
     b = ckpt.load_eagle(str(tmp_path / "resumed"), target)["head"]
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
     with pytest.raises(jspec.CheckpointError, match="cannot resume"):
         run(target, "t", tmp_path / "resumed", _dc("eagle", steps=20), resume=True, **quiet)
 
@@ -226,8 +224,7 @@ def test_init_continues_from_a_draft(trained, target, tmp_path, arch, other):
     before, after = params_of(path), params_of(tmp_path / "cont")
     if arch == "small-llama":
         assert card["config"]["draft_layers"] == 1  # the checkpoint's, not dc's 3
-    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    chex.assert_trees_all_close(before, after, atol=1e-6, rtol=1e-7)
     fresh = run(target, "t", tmp_path / "fresh", dataclasses.replace(dc, draft_layers=1), eval_prompts=0,
                 say=lambda *a: None)
     assert "init" not in fresh["training"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from jspec.bench.run import GREEDY, PROMPT_LOOKUP, Method, Run
-from jspec.errors import CheckpointError
+from jspec.errors import CheckpointError, optional_import
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -25,6 +25,7 @@ PROMPT_LOOKUP_TOKENS = 10
 def load_hf_model(model):
     """transformers' own load of a jspec model's checkpoint (a GGUF file or a HF directory)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    optional_import("torch", "jspec bench --peers transformers")  # transformers' models are PyTorch's
     from transformers import AutoModelForCausalLM
 
     src = Path(model.source)
@@ -52,8 +53,7 @@ class _FirstToken:
 
 
 def hf_generate(hf, ids: list[int], max_tokens: int, **kw) -> Run:
-    import torch
-
+    torch = optional_import("torch", "jspec bench --peers transformers")
     x = torch.tensor([ids])
     eos = hf.generation_config.eos_token_id
     pad = eos[0] if isinstance(eos, (list, tuple)) else eos

