@@ -1,6 +1,7 @@
-"""The engine-layout planner (jspec.engine.layout) from configs alone: the numbers pinned below
-are what LLMEngine derived at commit 0b68fa1, before the planner existed (its own sizing code,
-run on these configs); the engine now takes them from the planner."""
+"""The engine-layout planner (jspec.engine.layout) from configs alone. The numbers pinned below
+are what LLMEngine's own sizing code derived for these configs at commit 0b68fa1 (engines built
+and read back; the tensor-parallel ones on 4 host devices); the engine takes them from the
+planner."""
 
 import dataclasses
 

@@ -36,8 +36,8 @@ from jspec.cache import PageAllocator
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine import sharded
 from jspec.engine.cost import AcceptancePrior, CostModel
-from jspec.engine.request import EngineStats, Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.layout import plan_layout
+from jspec.engine.request import EngineStats, Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_update
 from jspec.engine.scheduler import Plan, Scheduler
 from jspec.errors import ConfigError, PromptError
@@ -118,6 +118,8 @@ class LLMEngine:
         self._build_steps(attention)
         device = jax.local_devices()[0]
         self._build_scheduler(device)
+        # the pages (a drafter's own too) and the token buffer against the memory available, before
+        # anything is built
         memory.check_fits(self.layout.memory_bytes, self.layout.describe(),
                           device=None if device.platform == "cpu" else device)
         params, drafter_params = self._step_weights(device, drafter_params, loaded_drafter)

@@ -8,12 +8,13 @@ of a few chunk widths); each such variant compiles once.
 
 **Slot buckets.** A decode burst runs on the live slots only: their rows of the state are
 gathered into a batch of S rows, S the smallest of a few bucket sizes (1, 2, 4, ... up to
-``max_num_seqs``: :func:`~jspec.engine.layout.slot_buckets`) that holds them, padded with idle slots; the steps run on that sub-state and
-its rows are scattered back, all inside the one jitted call (:func:`run_burst_slots`). Only
-per-slot rows move (:func:`~jspec.speculative.state.take_slots`); the page pools are shared and
-addressed through the block tables. So one live request pays for one slot's rows (k + 1 query
-rows when speculating), not for ``max_num_seqs`` of them. Bursts that carry a prefill chunk
-run on every slot (the chunk's rows name slots of the full state; one variant per chunk shape).
+``max_num_seqs``: :func:`~jspec.engine.layout.slot_buckets`) that holds them, padded with idle
+slots; the steps run on that sub-state and its rows are scattered back, all inside the one
+jitted call (:func:`run_burst_slots`). Only per-slot rows move
+(:func:`~jspec.speculative.state.take_slots`); the page pools are shared and addressed through
+the block tables. So one live request pays for one slot's rows (k + 1 query rows when
+speculating), not for ``max_num_seqs`` of them. Bursts that carry a prefill chunk run on every
+slot (the chunk's rows name slots of the full state; one variant per chunk shape).
 
 Host -> device: one slot's new contents when a request is admitted (``set_slot``), a slot
 released, and each burst's block tables and per-slot draft caps. Device -> host after each
