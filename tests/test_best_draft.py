@@ -7,7 +7,7 @@ Mutations each test was seen to fail on (applied to jspec/train/trainer.py, then
   B2  ``return (best if validate is not None else trainable), history`` -> ``return trainable, history``;
   B3  on resume, skip reloading ``best.safetensors`` (the best before the interruption is lost);
   B4  ``if score > best_score:`` -> ``if score < best_score or best_score == float("-inf"):`` (keep the worst);
-  D1  in jspec/train/distill.py ``run``, discard what ``train`` returns (save the initial parameters).
+  D1  in jspec/train/distill.py ``train_draft``, discard what ``train`` returns (save the initial parameters).
 """
 
 import json

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
+from jspec.engine.layout import fit_max_model_len
 from jspec.speculative.drafters.base import Proposal
 from jspec.speculative.drafters.ngram import NgramDrafter
 from jspec.speculative.steps import PlainStep, SpecStep, plain_token_step
@@ -66,13 +67,13 @@ def prepared_engine(model, prompt, spec: SpecConfig, sampling: SamplingParams = 
     k = spec.num_speculative_tokens if spec.enabled else 0
     sp = dataclasses.replace(sampling, max_tokens=warm_steps * (k + 1) + 8 + extra_tokens, ignore_eos=True)
     ids = encode_prompt(model.tokenizer, prompt)
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=_round_up(len(ids) + sp.max_tokens, 64),
-                                           max_burst_steps=warm_steps, attention=attention,
-                                           kv_cache_dtype=kv_cache_dtype), spec)
+    max_model_len = fit_max_model_len(len(ids) + sp.max_tokens, model.config.max_position_embeddings)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=max_model_len, max_burst_steps=warm_steps,
+                                           attention=attention, kv_cache_dtype=kv_cache_dtype), spec)
     engine.add_request("profile", ids, sp)
     r = engine.requests["profile"]
-    while engine.has_unfinished_requests() and not r.output_ids:  # prefill, first token
-        engine.step()
+    for _ in engine.step_until_done(until=lambda: bool(r.output_ids)):  # prefill, first token
+        pass
     engine.step()  # warm_steps real steps
     return engine
 
@@ -267,7 +268,3 @@ class StepLoop:
     def __call__(self):
         out, self.state = self.compiled(self.params, self.state, *self.extra)
         return out
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m

@@ -17,7 +17,6 @@ from jspec.config import (CHECKPOINT_METHODS, HEAD_METHODS, CacheConfig, ModelCo
 from jspec.errors import ConfigError, PromptError
 
 DEFAULT_K = 4
-SHAPE_QUANTUM = 64  # the engine rounds token buffers and pages up to this many tokens
 CHAT_TEMPLATE_TOKENS = 256  # upper bound of what a chat template adds around a prompt
 
 
@@ -102,10 +101,12 @@ def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, Spec
 
 def run_tokens(prompt_bytes: int, max_tokens: int, k: int, page_size: int, context: int, chat: bool) -> int:
     """Token slots one sequence can occupy: prompt (at most one token per byte, plus BOS and a
-    chat template) + budget + verification slack, within the context, rounded up as the engine does."""
+    chat template) + budget + verification slack, within the context, rounded up to the shape
+    quantum of :mod:`jspec.engine.layout` (or a page, when pages are larger)."""
+    from jspec.engine.layout import SHAPE_QUANTUM, round_up
+
     tokens = min(context, prompt_bytes + 2 + (CHAT_TEMPLATE_TOKENS if chat else 0) + max_tokens) + k + 1
-    quantum = max(SHAPE_QUANTUM, page_size)
-    return -(-tokens // quantum) * quantum
+    return round_up(tokens, max(SHAPE_QUANTUM, page_size))
 
 
 def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: SamplingParams, spec: SpecConfig,

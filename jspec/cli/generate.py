@@ -114,12 +114,36 @@ def _stream_printer(tokenizer):
 def cmd_generate(args) -> int:
     import jspec
     from jspec.cli import checks, enable_compile_cache
-    from jspec.config import EngineConfig
     from jspec.engine.engine import LLMEngine
     from jspec.loading import open_checkpoint
-    from jspec.timing import Stopwatch
 
     # every check that needs no model runs before anything loads (jspec.cli.checks)
+    prompts, params, base, spec, cache_config = _requests(args)
+    seqs = args.max_num_seqs or min(len(prompts), 32)
+    # the config, then the fit (context, layer-skip depth, memory), then the weights
+    checkpoint = open_checkpoint(args.model, dtype=args.dtype)
+    check_tp_fits(args, checkpoint.config)
+    longest_budget = max(sp.max_tokens for sp in params)
+    checks.generate_fits(checkpoint.config, prompts[:seqs], dataclasses.replace(base, max_tokens=longest_budget), spec,
+                         cache_config, chat=args.chat, kv_cache_dtype=args.kv_cache_dtype)
+    model = checkpoint.load()
+    if model.tokenizer is None:
+        raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
+    config = _engine_config(args, model, prompts, params, spec, seqs)
+    enable_compile_cache()
+    engine = LLMEngine(model, config, spec)
+    reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]
+    total_s, compile_s, first = _run(engine, reqs, streaming=len(reqs) == 1 and not args.json)
+    _print_results(args, engine, reqs, model, spec, total_s, compile_s, first)
+    return 0
+
+
+def _requests(args):
+    """(prompts, their SamplingParams, the command line's SamplingParams, SpecConfig, CacheConfig):
+    the prompts and every option checked before anything loads."""
+    import jspec
+    from jspec.cli import checks
+
     if bool(args.prompt) == bool(args.prompts_file):
         raise jspec.PromptError("give PROMPT arguments or --prompts-file (one of them)")
     items = read_prompts_file(args.prompts_file) if args.prompts_file else [{"prompt": p} for p in args.prompt]
@@ -141,42 +165,44 @@ def cmd_generate(args) -> int:
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}
         sp = dataclasses.replace(base, **over)
         params.append(sp if sp.seed is not None else dataclasses.replace(sp, seed=i))
-    n = len(items)
-    seqs = args.max_num_seqs or min(n, 32)
+    return prompts, params, base, spec, cache_config
+
+
+def _engine_config(args, model, prompts, params, spec, seqs: int):
+    """The engine for these requests: ``seqs`` slots, a ``max_model_len`` that holds the longest
+    prompt (as tokenized, with room for a chat template) with its budget, the options' sizes."""
+    from jspec.cli import checks
+    from jspec.config import EngineConfig
+    from jspec.engine.layout import batched_tokens
+
     k = spec.num_speculative_tokens if spec.enabled else 0
-    longest_budget = max(sp.max_tokens for sp in params)
-    # the config, then the fit (context, layer-skip depth, memory), then the weights
-    checkpoint = open_checkpoint(args.model, dtype=args.dtype)
-    check_tp_fits(args, checkpoint.config)
-    checks.generate_fits(checkpoint.config, prompts[:seqs], dataclasses.replace(base, max_tokens=longest_budget), spec,
-                         cache_config, chat=args.chat, kv_cache_dtype=args.kv_cache_dtype)
-    model = checkpoint.load()
-    if model.tokenizer is None:
-        raise jspec.CheckpointError(f"{model.source}: no tokenizer (tokenizer.json) to encode a text prompt")
     longest = max(len(model.tokenizer(p)["input_ids"]) + sp.max_tokens for p, sp in zip(prompts, params))
     context = model.config.max_position_embeddings
     max_model_len = min(context, checks.run_tokens(0, longest, 0, args.page_size, context, args.chat))
-    config = EngineConfig(
-        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or seqs * (k + 1) + 256,
+    return EngineConfig(
+        max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens or batched_tokens(seqs, k),
         max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching, attention=args.attention,
-        max_burst_steps=8 if n == 1 and not args.json else 16, tensor_parallel_size=args.tp,
+        max_burst_steps=8 if len(prompts) == 1 and not args.json else 16, tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype, quantized_activations=args.quantized_activations)
-    enable_compile_cache()
-    engine = LLMEngine(model, config, spec)
-    reqs = [engine.add_request(str(i), p, sp, chat=args.chat) for i, (p, sp) in enumerate(zip(prompts, params))]
 
-    stream = _stream_printer(model.tokenizer) if n == 1 and not args.json else None
+
+def _run(engine, reqs, streaming: bool):
+    """Run ``reqs`` to the end: one request's text streams to stdout, several show a progress
+    bar on stderr. Returns (seconds, compile seconds, {id(request): seconds to its first token}),
+    compilation excluded from both timings."""
+    from jspec.timing import Stopwatch
+
+    stream = _stream_printer(engine.tokenizer) if streaming else None
     bar = None
-    if n > 1:
+    if len(reqs) > 1:
         from tqdm import tqdm
 
-        bar = tqdm(total=n, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
     watch = Stopwatch()
     emitted = 0
-    first = {}  # request -> seconds to its first token, compilation excluded
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    first = {}
+    for outs in engine.step_until_done():
         for r in reqs:
             if r.output_ids and id(r) not in first:
                 first[id(r)] = watch.elapsed()
@@ -188,13 +214,18 @@ def cmd_generate(args) -> int:
     total_s, compile_s = watch.elapsed(), watch.compile_s()
     if bar is not None:
         bar.close()
+    return total_s, compile_s, first
 
+
+def _print_results(args, engine, reqs, model, spec, total_s: float, compile_s: float, first: dict) -> None:
+    """The completions on stdout (text, or JSON Lines with ``--json``), the summary on stderr."""
+    n = len(reqs)
     tokens = sum(len(r.output_ids) for r in reqs)
     if args.json:
         for r in reqs:
             print(json.dumps(request_json(r, model, spec, total_s if n == 1 else None, compile_s, first.get(id(r)))))
-    elif stream is not None:
-        print()
+    elif n == 1:
+        print()  # after the streamed text
     else:
         for i, r in enumerate(reqs):
             print(f"--- [{i}] {r.finish_reason} ---")
@@ -203,6 +234,7 @@ def cmd_generate(args) -> int:
     line = (f"{n} request(s), {tokens} tokens in {total_s:.2f}s: {tokens / total_s if total_s else 0:.1f} tokens/s, "
             f"mean time to first token {1e3 * _mean(list(first.values())):.0f} ms (compile {compile_s:.1f}s excluded)")
     if spec.enabled and s.steps:
+        k = spec.num_speculative_tokens
         acc = [a / p if p else 0.0 for a, p in zip(_sum_pos(reqs, "num_accepted_tokens_per_pos"),
                                                    _sum_pos(reqs, "num_draft_tokens_per_pos"))]
         line += (f"; {spec.method} k={k}{' (dynamic)' if spec.dynamic_k else ''}: mean accepted length "
@@ -210,7 +242,6 @@ def cmd_generate(args) -> int:
     if s.cached_prompt_tokens:
         line += f"; prefix cache hit rate {s.prefix_cache_hit_rate:.0%}"
     print(line, file=sys.stderr)
-    return 0
 
 
 def _mean(xs):

@@ -104,9 +104,11 @@ def serve_options(args):
         raise ConfigError("jspec serve runs on one host (--tp over its devices); multi-host is for jspec generate "
                           "and the library (unset JSPEC_/JAX_COORDINATOR_ADDRESS)")
     check_tp_option(args)
+    from jspec.engine.layout import batched_tokens  # after check_tp_option: it imports jax
+
     k = spec.num_speculative_tokens if spec.enabled else 0
     config = EngineConfig(max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens or args.max_num_seqs * (k + 1) + 256,
+                          max_num_batched_tokens=args.max_num_batched_tokens or batched_tokens(args.max_num_seqs, k),
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
                           tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype,

@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,13 @@ import numpy as np
 from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache import PageAllocator
-from jspec.config import EngineConfig, SamplingParams, SpecConfig, kv_cache_array_dtype
+from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine import sharded
 from jspec.engine.cost import AcceptancePrior, CostModel
-from jspec.engine.request import Request, RequestMetrics, RequestOutput, Status
-from jspec.engine.runner import Runner, init_decode_state, slot_buckets, slot_update
-from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
+from jspec.engine.layout import plan_layout
+from jspec.engine.request import EngineStats, Request, RequestMetrics, RequestOutput, Status
+from jspec.engine.runner import Runner, init_decode_state, slot_update
+from jspec.engine.scheduler import Plan, Scheduler
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
 from jspec.loading.convert import quantized_drafter_weights
@@ -52,7 +53,6 @@ from jspec.timing import compile_seconds
 log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
-MIN_CHUNK = 16
 
 
 CALIBRATION_SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -85,23 +85,11 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
     return list(ids)
 
 
-MAX_CHUNK = 512  # tokens of one prompt per prefill step (a bigger budget prefills more prompts per step)
 # On the CPU a prefill chunk is compute-bound: a step costs about what 16 more prompt tokens cost
 # (SmolLM2-135M: a one-token step ~21 ms, ~1.9 ms per prefill token at 256 rows), so the
 # scheduler picks chunk widths that waste little padding (Scheduler.chunk_width). Elsewhere
 # tokens are cheap next to a step: the smallest width that holds the prompt.
 CPU_STEP_OVERHEAD_TOKENS = 16
-
-
-def chunk_widths(budget: int) -> tuple[int, ...]:
-    """Prefill chunk widths (few: each is a compiled shape): the largest power of two within
-    ``budget`` (at most MAX_CHUNK), and a quarter and a sixteenth of it, never below 16 tokens."""
-    top = min(MAX_CHUNK, 1 << (max(budget, MIN_CHUNK).bit_length() - 1))
-    return tuple(sorted({max(MIN_CHUNK, top >> s) for s in (0, 2, 4)}))
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class LLMEngine:
@@ -116,47 +104,65 @@ class LLMEngine:
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), spec: SpecConfig = SpecConfig(), *,
                  drafter=None, drafter_params=None):
+        """Build the engine in the order below: each step checks what it can before the next
+        one allocates (the heads against ``tensor_parallel_size`` before anything is placed,
+        the layout against the context, the memory before the state is built)."""
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
+        attention = self._attention()
+        loaded_drafter = drafter is None and self.spec.enabled  # built here from a checkpoint or lookup
+        drafter, drafter_params = self._place(attention, drafter, drafter_params)
+        self.layout = plan_layout(self.model.config, config, k_max=drafter.k if drafter is not None else 0,
+                                  draft=getattr(drafter, "cache_config", None))  # drafters with pages of their own
+        self._build_steps(attention)
+        device = jax.local_devices()[0]
+        self._build_scheduler(device)
+        # the pages (a drafter's own too) and the token buffer against the memory available, before
+        # anything is built
+        memory.check_fits(self.layout.memory_bytes, self.layout.describe(),
+                          device=None if device.platform == "cpu" else device)
+        params, drafter_params = self._step_weights(device, drafter_params, loaded_drafter)
+        self.runner = self._build_runner(params, drafter_params)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._last_steps = 0
+        self.stats = EngineStats(self.k_max, bursts_by_slots={n: 0 for n in self.buckets})
+
+    # ------------------------------------------------------------------ construction
+    def _attention(self) -> str:
+        """The attention implementation: the config's, resolved for the backend; fp8 pages,
+        which the Triton kernel does not read, take the xla path under ``auto``."""
+        config = self.config
         attention = attention_lib.resolve(config.attention)
         if config.kv_cache_dtype.startswith("fp8") and attention in ("pallas", "interpret"):
             if config.attention != "auto":
                 raise ConfigError(f"attention {attention!r} (the Triton kernel) does not read fp8 pages "
                                   f"(kv_cache_dtype {config.kv_cache_dtype!r}); use 'xla', or 16-bit pages")
             attention = "xla"  # the xla path reads them on a GPU
-        tp = config.tensor_parallel_size
+        return attention
+
+    def _place(self, attention: str, drafter, drafter_params):
+        """(drafter, drafter params): the given drafter, or the one ``spec`` names; with
+        ``tensor_parallel_size`` > 1, ``self.model`` and the drafter sharded over ``self.mesh``."""
+        tp = self.config.tensor_parallel_size
         if tp > 1:  # check the heads before anything is loaded or placed
-            tp_config(model.config, tp)
+            tp_config(self.model.config, tp)
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
-        loaded_drafter = drafter is None and self.spec.enabled  # built here from a checkpoint or lookup
-        if loaded_drafter:
-            drafter, drafter_params = make_drafter(self.spec, model, attention)
+        if drafter is None and self.spec.enabled:
+            drafter, drafter_params = make_drafter(self.spec, self.model, attention)
         if self.mesh is not None:
-            one_device = model.config
-            model = self.model = sharded.shard_target(model, self.mesh)
-            drafter, drafter_params = sharded.shard_drafter(drafter, drafter_params, one_device, model.config,
+            one_device = self.model.config
+            self.model = sharded.shard_target(self.model, self.mesh)
+            drafter, drafter_params = sharded.shard_drafter(drafter, drafter_params, one_device, self.model.config,
                                                             self.mesh)
-        mc = model.config
         self.drafter = drafter
-        k_max = drafter.k if drafter is not None else 0
-        self.k_max = k_max
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context "
-                              f"({mc.max_position_embeddings})")
-        ps, b = config.page_size, config.max_num_seqs
-        self.buffer_len = _round_up(self.max_model_len + k_max + 1, ps)
-        table_width = self.buffer_len // ps
-        # default: every slot at full length, with room for its verification rows (a request of
-        # max_model_len tokens needs buffer_len of pages: its last step writes k_max + 1 rows)
-        kv_tokens = config.kv_cache_tokens or b * self.buffer_len
-        num_pages = -(-kv_tokens // ps) + 1  # + the null page
-        budget = config.max_num_batched_tokens - b * (k_max + 1)
-        if budget < MIN_CHUNK:
-            raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold every slot's "
-                              f"decode rows ({b} x {k_max + 1}) plus a prefill chunk of >= {MIN_CHUNK} tokens")
-        self.prefill_shapes = prefill_shapes(budget, b, chunk_widths(budget))
+        return drafter, drafter_params
+
+    def _build_steps(self, attention: str) -> None:
+        """The steps ``step()`` picks from (plain, and speculative at each candidate k), the
+        cost models that choose k per slot bucket, and the k of the step that carries prefill."""
+        mc, drafter, k_max = self.model.config, self.drafter, self.k_max
         eos = tuple(mc.eos_token_ids)
         self._steps = {0: PlainStep(mc, eos, attention, drafter)}
         candidates = [0] if drafter is None else ([k_max] if not self.spec.dynamic_k else
@@ -164,7 +170,6 @@ class LLMEngine:
         for k in candidates:
             if k > 0:
                 self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
-        self.buckets = slot_buckets(b)
         # a step's time depends on the rows it runs, so each bucket keeps its own measurements;
         # what finished requests accepted is the prior of every bucket's estimates
         self.acceptance = AcceptancePrior()
@@ -175,24 +180,22 @@ class LLMEngine:
         # other (so a request's steps, and its sampled tokens, do not depend on who else is
         # prefilling); with dynamic k (already batch-dependent) the plain step, one variant fewer.
         self._prefill_k = 0 if drafter is None or self.spec.dynamic_k else k_max
-        self.allocator = PageAllocator(num_pages, ps, reserve_null=True,
+
+    def _build_scheduler(self, device) -> None:
+        """The page allocator over the layout's pool and the scheduler over its slots."""
+        layout, config = self.layout, self.config
+        self.allocator = PageAllocator(layout.num_pages, layout.page_size, reserve_null=True,
                                        shuffle_seed=config.seed if config.shuffle_pages else None)
-        salt = f"{model.source}:{mc}:{type(drafter).__name__}".encode()
-        device = jax.local_devices()[0]
-        self.scheduler = Scheduler(num_slots=b, table_width=table_width, allocator=self.allocator,
-                                   shapes=self.prefill_shapes, max_burst_steps=config.max_burst_steps,
+        salt = f"{self.model.source}:{self.model.config}:{type(self.drafter).__name__}".encode()
+        self.scheduler = Scheduler(num_slots=layout.num_slots, table_width=layout.table_width, allocator=self.allocator,
+                                   shapes=layout.prefill_shapes, max_burst_steps=config.max_burst_steps,
                                    prefix_caching=config.enable_prefix_caching, salt=salt,
                                    step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None)
-        # the page pool (the target's, and a draft model's or EAGLE head's of the same geometry)
-        # and the token buffer, checked against the memory available before anything is built
-        cache_dtype = jnp.dtype(kv_cache_array_dtype(config.kv_cache_dtype, mc.dtype))
-        kv = memory.kv_cache_bytes(mc, num_pages * ps, cache_dtype)
-        own = getattr(drafter, "cache_config", None)  # drafters with pages of their own (of the same dtype)
-        if own is not None:
-            kv += memory.kv_cache_bytes(own, num_pages * ps, cache_dtype)
-        memory.check_fits(kv // tp + memory.token_buffer_bytes(b, self.buffer_len),  # pages split over tp
-                          f"a KV cache of {num_pages * ps:,} tokens and {b} slots of {self.buffer_len} tokens",
-                          device=None if device.platform == "cpu" else device)
+
+    def _step_weights(self, device, drafter_params, loaded_drafter: bool):
+        """(target params, drafter params) as the steps read them: with the CPU small-row
+        kernel's packed copies (of the GGUF blocks, or a drafter's Q8_0 blocks) where it applies."""
+        config, model, mc = self.config, self.model, self.model.config
         copy = self._small_row_weights(config, mc, device)
         quantized = getattr(model, "quantized", None) if config.quantized_weights else None
         int8 = config.quantized_activations
@@ -206,18 +209,42 @@ class LLMEngine:
             drafter_params = with_small_row_weights(
                 drafter_params, HEAD_PROJECTIONS,
                 quantized=q and quantized_drafter_weights(drafter_params, HEAD_PROJECTIONS, q), int8_dot=int8)
+        return params, drafter_params
+
+    def _build_runner(self, params, drafter_params) -> Runner:
+        """The decode state of every slot (built straight into its shardings on a mesh) and
+        the runner of the jitted calls on it."""
+        layout, mc, drafter = self.layout, self.model.config, self.drafter
 
         def make(params, dparams):
-            return init_decode_state(mc, b, self.buffer_len, table_width, num_pages, ps, k_max, drafter,
-                                     params, dparams, cache_dtype=cache_dtype)
+            return init_decode_state(mc, layout.num_slots, layout.buffer_len, layout.table_width, layout.num_pages,
+                                     layout.page_size, layout.k_max, drafter, params, dparams,
+                                     cache_dtype=jnp.dtype(layout.cache_dtype))
 
         state = (make(params, drafter_params) if self.mesh is None else
                  sharded.build_state(make, self.mesh, drafter, params, drafter_params))
-        self.runner = Runner(params, drafter_params, state, self.buffer_len)
-        self.requests: dict[str, Request] = {}
-        self._order = itertools.count()
-        self._last_steps = 0
-        self.stats = EngineStats(k_max, bursts_by_slots={n: 0 for n in self.buckets})
+        return Runner(params, drafter_params, state, layout.buffer_len)
+
+    # the layout's numbers the engine reads most (EngineLayout has the rest)
+    @property
+    def k_max(self) -> int:
+        return self.layout.k_max
+
+    @property
+    def max_model_len(self) -> int:
+        return self.layout.max_model_len
+
+    @property
+    def buffer_len(self) -> int:
+        return self.layout.buffer_len
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        return self.layout.prefill_shapes
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.layout.buckets
 
     # ------------------------------------------------------------------ requests
     @property
@@ -270,6 +297,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def step_until_done(self, until: Optional[Callable[[], bool]] = None) -> Iterator[list[RequestOutput]]:
+        """Step until no request is unfinished, yielding what each ``step()`` returns; with
+        ``until``, stop also once ``until()`` holds (checked before each step). The one loop that
+        runs the engine to the end: callers keep their per-step bookkeeping (progress, streaming,
+        first-token times) between the yields, a step's outputs together."""
+        while self.has_unfinished_requests() and not (until is not None and until()):
+            yield self.step()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's name); False, and nothing changed, while requests are
@@ -578,50 +613,3 @@ class LLMEngine:
             q_lens[0], seg_rows[0] = n, 0
             self.runner.burst(self._steps[self._prefill_k], tables, caps, Segment(tokens, q_lens, seg_rows), 1, False)
         self.runner.release(0)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Totals over finished requests (vLLM's metric names where it has them)."""
-
-    k_max: int
-    bursts: int = 0
-    bursts_by_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # bursts per slot bucket run
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefilled_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
-    steps: int = 0  # request-steps (target forwards per request, summed)
-    steps_run: int = 0  # device steps (loop iterations) over all bursts
-
-    def finished(self, r: Request) -> None:
-        m = r.metrics
-        self.num_requests += 1
-        self.prompt_tokens += m.num_prompt_tokens
-        self.cached_prompt_tokens += m.num_cached_tokens
-        self.prefilled_tokens += m.num_prefilled_tokens
-        self.generation_tokens += len(r.output_ids)
-        self.preemptions += m.num_preemptions
-        self.num_drafts += m.num_drafts
-        self.num_draft_tokens += m.num_draft_tokens
-        self.num_accepted_tokens += m.num_accepted_tokens
-        self.steps += m.num_steps
-        pos = m.num_accepted_tokens_per_pos
-        if len(self.num_accepted_tokens_per_pos) < len(pos):
-            self.num_accepted_tokens_per_pos += [0] * (len(pos) - len(self.num_accepted_tokens_per_pos))
-        for j, a in enumerate(pos):
-            self.num_accepted_tokens_per_pos[j] += a
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> Optional[float]:
-        return self.generation_tokens / self.steps if self.steps else None

@@ -2,10 +2,10 @@
 
 A thin call into :class:`~jspec.engine.engine.LLMEngine` (one decode path, not two): the
 engine gets one slot per prompt and shapes rounded up to ``SHAPE_QUANTUM`` tokens (so prompts
-of similar length reuse the compiled steps), each prompt's pages come from a shared pool, and
-the prompts are prefilled chunk by chunk while the ones already prefilled decode. The result
-carries timings with compilation subtracted (:mod:`jspec.timing`) and the speculative
-counters summed over the batch.
+of similar length reuse the compiled steps; the sizing rules are :mod:`jspec.engine.layout`'s),
+each prompt's pages come from a shared pool, and the prompts are prefilled chunk by chunk while
+the ones already prefilled decode. The result carries timings with compilation subtracted
+(:mod:`jspec.timing`) and the speculative counters summed over the batch.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Callable, Optional, Sequence
 
 from jspec.config import CacheConfig, EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, Prompt, encode_prompt
+from jspec.engine.layout import batched_tokens, fit_max_model_len, full_pool_tokens
 from jspec.errors import ConfigError, PromptError
 from jspec.timing import Stopwatch
-
-SHAPE_QUANTUM = 64  # tokens: granularity of max_model_len (an exact fit would recompile per prompt length)
 
 
 @dataclasses.dataclass
@@ -65,10 +64,6 @@ def normalize_prompts(prompts) -> list[Prompt]:
     if not prompts:
         raise PromptError("no prompts given")
     return list(prompts)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = SamplingParams(), *,
@@ -120,22 +115,22 @@ def engine_config(model, ids: Sequence[list[int]], sampling: SamplingParams, k: 
                   dynamic_k: bool = False, kv_cache_dtype: str = "auto",
                   quantized_activations: bool = False) -> EngineConfig:
     """The engine :func:`generate` builds for ``ids`` (one slot per prompt unless
-    ``max_num_seqs``): shapes rounded up to ``SHAPE_QUANTUM`` tokens, pages for every slot at full
-    length, bursts to the end of the budget (or of ``stream_interval`` steps; with ``dynamic_k``
-    of at most ``DYNAMIC_K_BURST_STEPS``, so that k is chosen again as the requests' acceptance
-    comes in, not once per request)."""
+    ``max_num_seqs``): shapes rounded up to ``SHAPE_QUANTUM`` tokens (:mod:`jspec.engine.layout`),
+    pages for every slot at full length, bursts to the end of the budget (or of
+    ``stream_interval`` steps; with ``dynamic_k`` of at most ``DYNAMIC_K_BURST_STEPS``, so that
+    k is chosen again as the requests' acceptance comes in, not once per request)."""
     b = max_num_seqs or len(ids)
-    context = model.config.max_position_embeddings
-    max_model_len = min(_round_up(max(len(p) for p in ids) + sampling.max_tokens, SHAPE_QUANTUM), context)
+    max_model_len = fit_max_model_len(max(len(p) for p in ids) + sampling.max_tokens,
+                                      model.config.max_position_embeddings)
     chunk = 1 << (max(cache_config.prefill_chunk, 16).bit_length() - 1)
     prefill_budget = max(chunk, min(16 * b, 4096))  # a big batch prefills many prompts per step
     ps = cache_config.page_size
     burst = sampling.max_tokens + 1 if stream_interval is None else stream_interval
     if dynamic_k and stream_interval is None:
         burst = min(burst, DYNAMIC_K_BURST_STEPS)
-    return EngineConfig(max_num_seqs=b, max_num_batched_tokens=b * (k + 1) + prefill_budget, max_model_len=max_model_len,
-                        kv_cache_tokens=b * _round_up(max_model_len + k + 1, ps), page_size=ps,
-                        max_burst_steps=burst,
+    return EngineConfig(max_num_seqs=b, max_num_batched_tokens=batched_tokens(b, k, prefill_budget),
+                        max_model_len=max_model_len, kv_cache_tokens=full_pool_tokens(b, max_model_len, k, ps),
+                        page_size=ps, max_burst_steps=burst,
                         attention=attention, shuffle_pages=cache_config.shuffle_pages,
                         seed=sampling.seed or 0, tensor_parallel_size=tensor_parallel_size,
                         kv_cache_dtype=kv_cache_dtype, quantized_activations=quantized_activations)
@@ -154,8 +149,7 @@ def run_requests(engine: LLMEngine, ids: Sequence[list[int]], sampling: Sampling
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart
     emitted = [0] * b
     first_token_s = None
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in engine.step_until_done():
         if first_token_s is None and all(r.output_ids for r in reqs):
             first_token_s = watch.elapsed()
         if on_tokens is not None:

@@ -110,16 +110,15 @@ class LLM:
             bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
         done: dict[str, RequestOutput] = {}
         try:
-            while len(done) < len(ids):
-                for out in self.engine.step():
+            for outs in self.engine.step_until_done(until=lambda: len(done) == len(ids)):
+                for out in outs:
                     if out.finished and out.request_id in ids and out.request_id not in done:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-                if not self.engine.has_unfinished_requests() and len(done) < len(ids):
-                    for rid in ids:  # finished without an output in a step (aborted): take their record
-                        if rid not in done:
-                            done[rid] = self.engine.requests[rid].to_output()
+            for rid in ids:  # finished without an output in a step (aborted): take their record
+                if rid not in done:
+                    done[rid] = self.engine.requests[rid].to_output()
         finally:
             if bar is not None:
                 bar.close()
@@ -133,8 +132,8 @@ class LLM:
         ``finished`` True); ``outputs[0].token_ids`` holds only the new tokens."""
         ids = set(self._add(prompts, sampling_params, chat))
         remaining = set(ids)
-        while remaining:
-            for out in self.engine.step():
+        for outs in self.engine.step_until_done(until=lambda: not remaining):
+            for out in outs:
                 if out.request_id in ids:
                     r = self.engine.requests[out.request_id]
                     yield r.to_output(incremental=True)
@@ -142,5 +141,3 @@ class LLM:
                     if out.finished:
                         remaining.discard(out.request_id)
                         self.engine.requests.pop(out.request_id, None)
-            if not self.engine.has_unfinished_requests():
-                break

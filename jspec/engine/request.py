@@ -1,5 +1,6 @@
 """Requests and what the engine hands back, in vLLM's shapes (``RequestOutput`` with
-``outputs[0].text / .token_ids / .finish_reason`` and ``metrics``)."""
+``outputs[0].text / .token_ids / .finish_reason`` and ``metrics``), and the engine's totals over
+finished requests (``EngineStats``)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,50 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
                              [CompletionOutput(0, self.text, ids, self.finish_reason if done else None,
                                                self.stop_reason)], done, self.metrics)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals over finished requests (vLLM's metric names where it has them)."""
+
+    k_max: int
+    bursts: int = 0
+    bursts_by_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # bursts per slot bucket run
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0  # request-steps (target forwards per request, summed)
+    steps_run: int = 0  # device steps (loop iterations) over all bursts
+
+    def finished(self, r: Request) -> None:
+        m = r.metrics
+        self.num_requests += 1
+        self.prompt_tokens += m.num_prompt_tokens
+        self.cached_prompt_tokens += m.num_cached_tokens
+        self.prefilled_tokens += m.num_prefilled_tokens
+        self.generation_tokens += len(r.output_ids)
+        self.preemptions += m.num_preemptions
+        self.num_drafts += m.num_drafts
+        self.num_draft_tokens += m.num_draft_tokens
+        self.num_accepted_tokens += m.num_accepted_tokens
+        self.steps += m.num_steps
+        pos = m.num_accepted_tokens_per_pos
+        if len(self.num_accepted_tokens_per_pos) < len(pos):
+            self.num_accepted_tokens_per_pos += [0] * (len(pos) - len(self.num_accepted_tokens_per_pos))
+        for j, a in enumerate(pos):
+            self.num_accepted_tokens_per_pos[j] += a
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        return self.generation_tokens / self.steps if self.steps else None

@@ -8,12 +8,13 @@ of a few chunk widths); each such variant compiles once.
 
 **Slot buckets.** A decode burst runs on the live slots only: their rows of the state are
 gathered into a batch of S rows, S the smallest of a few bucket sizes (1, 2, 4, ... up to
-``max_num_seqs``) that holds them, padded with idle slots; the steps run on that sub-state and
-its rows are scattered back, all inside the one jitted call (:func:`run_burst_slots`). Only
-per-slot rows move (:func:`~jspec.speculative.state.take_slots`); the page pools are shared and
-addressed through the block tables. So one live request pays for one slot's rows (k + 1 query
-rows when speculating), not for ``max_num_seqs`` of them. Bursts that carry a prefill chunk
-run on every slot (the chunk's rows name slots of the full state; one variant per chunk shape).
+``max_num_seqs``: :func:`~jspec.engine.layout.slot_buckets`) that holds them, padded with idle
+slots; the steps run on that sub-state and its rows are scattered back, all inside the one
+jitted call (:func:`run_burst_slots`). Only per-slot rows move
+(:func:`~jspec.speculative.state.take_slots`); the page pools are shared and addressed through
+the block tables. So one live request pays for one slot's rows (k + 1 query rows when
+speculating), not for ``max_num_seqs`` of them. Bursts that carry a prefill chunk run on every
+slot (the chunk's rows name slots of the full state; one variant per chunk shape).
 
 Host -> device: one slot's new contents when a request is admitted (``set_slot``), a slot
 released, and each burst's block tables and per-slot draft caps. Device -> host after each
@@ -141,11 +142,6 @@ def run_burst_slots(step, params, drafter_params, state: DecodeState, slots, tab
     state = state.replace(cache=state.cache.replace(block_tables=tables), spec_k=spec_k)
     sub = burst(step, params, drafter_params, take_slots(state, slots), None, limit, stop_on_finish)
     return put_slots(state, sub, slots)
-
-
-def slot_buckets(num_slots: int) -> tuple[int, ...]:
-    """Batch sizes decode bursts compile for: powers of two below ``num_slots``, and ``num_slots``."""
-    return tuple(sorted({1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots} | {num_slots}))
 
 
 def snapshot(state: DecodeState) -> Snapshot:

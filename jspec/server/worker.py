@@ -186,9 +186,8 @@ class EngineWorker:
             if sub.fill_max_tokens:
                 if isinstance(prompt, str):
                     prompt = encode_prompt(self.engine.tokenizer, prompt)
-                e = self.engine  # what the context, and the whole page pool, leave after the prompt
-                pool = e.allocator.num_usable * e.config.page_size - e.k_max - 1
-                room = min(e.max_model_len, pool) - len(prompt)
+                # what the context, and the whole page pool, leave after the prompt
+                room = self.engine.layout.max_request_tokens - len(prompt)
                 params = dataclasses.replace(params, max_tokens=max(1, room))
             r = self.engine.add_request(sub.request_id, prompt, params, arrival_time=sub.arrival_time)
         except Exception as e:  # JspecError: the client's fault (400); anything else: ours (500)

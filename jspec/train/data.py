@@ -299,6 +299,7 @@ def generate_sequences(target, prompts: list, max_new_tokens: int, batch_size: i
     from jspec.config import EngineConfig, SamplingParams
     from jspec.engine.engine import LLMEngine
     from jspec.engine.generate import generate
+    from jspec.engine.layout import batched_tokens, fit_max_model_len
 
     ids = [encode_prompt(target.tokenizer, p, chat) for p in prompts]
     sp = SamplingParams(max_tokens=max_new_tokens)
@@ -313,14 +314,17 @@ def generate_sequences(target, prompts: list, max_new_tokens: int, batch_size: i
             if progress:
                 progress(len(batch))
     else:
-        longest = max(map(len, ids)) + max_new_tokens
-        max_len = min(-(-longest // 64) * 64, target.config.max_position_embeddings)
-        engine = LLMEngine(target, EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size + 512,
+        max_len = fit_max_model_len(max(map(len, ids)) + max_new_tokens, target.config.max_position_embeddings)
+        # max_len tokens of pages a slot, a little under full_pool_tokens (a slot at full length
+        # also holds its last step's rows): slots near their end may wait or be preempted, which
+        # changes no greedy token
+        engine = LLMEngine(target, EngineConfig(max_num_seqs=batch_size,
+                                                max_num_batched_tokens=batched_tokens(batch_size, 0, 512),
                                                 max_model_len=max_len, kv_cache_tokens=batch_size * max_len,
                                                 max_burst_steps=16, enable_prefix_caching=False))
         reqs = [engine.add_request(str(i), x, sp) for i, x in enumerate(ids)]
-        while engine.has_unfinished_requests():
-            done = sum(out.finished for out in engine.step())
+        for outs in engine.step_until_done():
+            done = sum(out.finished for out in outs)
             if progress and done:
                 progress(done)
         seqs = {i: ids[i] + list(r.output_ids) for i, r in enumerate(reqs)}

@@ -22,12 +22,13 @@ import datetime
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.config import ModelConfig
 from jspec.errors import ConfigError, DraftMismatchError, MissingDependencyError, optional_import
 from jspec.models.llama import output_embedding
 from jspec.loading import drafts as ckpt
@@ -256,81 +257,173 @@ def _steps_for_budget(dc: DistillConfig, started: float, loss, trainable, frozen
 def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool = False,
         eval_prompts: int = 10, init: Optional[str] = None, say=print) -> dict:
     """Train and save a draft; returns its card. ``init``: a draft checkpoint (name or path) of
-    the same architecture to continue from instead of a fresh initialisation."""
-    from jspec.models.eagle import init_eagle_params
-    from jspec.train.objectives import chain_acceptance, distill_loss, eagle_loss
-
+    the same architecture to continue from instead of a fresh initialisation. In the module
+    docstring's steps: :func:`distill_data` (1 and 2), :func:`init_draft` and :func:`train_draft`
+    (3), :func:`draft_card` and :func:`save_draft` (4), then :func:`evaluate`."""
     if target.tokenizer is None:
         raise ConfigError(f"{target_name}: distillation needs the target's tokenizer")
     state_dir = out / ".train"
     started = time.time()
+    d = distill_data(target, dc, state_dir, resume=resume, say=say)
+    meta = {"arch": dc.arch, "data": d.data.fingerprint(), "target": target.weights_hash()}
+    draft = init_draft(target, dc, d.layers, init)
+    dc = dataclasses.replace(dc, draft_layers=draft.draft_layers)
+    if init is not None:
+        meta["init"] = str(init)
+    dc, trained = train_draft(target, dc, d, draft, state_dir=state_dir, started=started, resume=resume, meta=meta,
+                              init=init, say=say)
+    card = draft_card(target, target_name, dc, d, draft, trained, init=init, started=started)
+    save_draft(out, target, dc, draft.config, trained.params, d.vocab_ids, card)
+    if eval_prompts > 0:
+        measured = evaluate(target, out, dc.arch, eval_prompts, say=say)
+        if measured:
+            card = dict(ckpt.read_card(out), measured=measured)
+            ckpt.write_json(out / ckpt.CARD, card)
+    return ckpt.read_card(out)
+
+
+@dataclasses.dataclass
+class DistillData:
+    """A run's data and what training reads of it (steps 1 and 2)."""
+
+    data: DraftData
+    seconds: float  # to build it (or read it back on resume)
+    layers: tuple[int, ...]  # target layers the draft reads (() for EAGLE-1 and the small Llama)
+    vocab_ids: np.ndarray  # int32 [V']: the draft vocabulary, as target token ids
+    frozen: dict  # the target's embedding, and its LM head's rows of the draft vocabulary
+    labels: np.ndarray  # int32 [N, T]: the target's choices in the draft vocabulary (-1: outside)
+    train_idx: np.ndarray  # sequences trained on
+    val_idx: np.ndarray  # sequences held out (early stopping, the card's held-out acceptance)
+    batch_fn: Callable[[int], dict]  # the training batch of each step
+
+
+def distill_data(target, dc: DistillConfig, state_dir: Path, *, resume: bool = False, say=print) -> DistillData:
+    """Steps 1 and 2: the data mix's sequences and the target's features along them (read back
+    from ``state_dir`` on ``resume``), the draft vocabulary, the labels and the train / held-out
+    split."""
+    started = time.time()
     layers = dc.layers_for(target.config)
     data = build_data(target, dc.mix, layers, state_dir / "data.safetensors", reuse=resume, say=say)
-    data_s = time.time() - started
+    seconds = time.time() - started
     vocab_ids = draft_vocabulary(data, dc.draft_vocab, always=tuple(target.config.eos_token_ids))
     rows = output_embedding(target.params, target.config)
     frozen = {"embedding": target.params["embed_tokens"]["embedding"], "lm_head": jnp.take(rows, vocab_ids, axis=0)}
     train_idx, val_idx = split_validation(len(data.lengths), dc.validation_fraction, dc.train.seed)
     labels = draft_labels(data, vocab_ids, target.config.vocab_size)
     batch_fn = make_batches(data, labels, dc.train.batch_size, dc.train.seed, pool=train_idx)
-    meta = {"arch": dc.arch, "data": data.fingerprint(), "target": target.weights_hash()}
-    picks, prior = None, {}
+    return DistillData(data, seconds, layers, vocab_ids, frozen, labels, train_idx, val_idx, batch_fn)
+
+
+@dataclasses.dataclass
+class DraftInit:
+    """The draft before training."""
+
+    config: ModelConfig  # the draft's (an EAGLE head's: the target's)
+    params: dict  # what training updates
+    picks: Optional[list[int]]  # the target layers a fresh small Llama starts from (else None)
+    draft_layers: int  # a small Llama's decoder layers (an --init checkpoint's own count)
+    prior: dict  # what an --init checkpoint had been trained on (_lineage; {} without one)
+
+
+def init_draft(target, dc: DistillConfig, layers: tuple[int, ...], init: Optional[str] = None) -> DraftInit:
+    """The draft to train: the ``init`` checkpoint's (:func:`init_params`), a fresh
+    EAGLE head reading ``layers``, or a small Llama of evenly spaced target layers."""
+    from jspec.models.eagle import init_eagle_params
+
     if init is not None:
-        draft_cfg, trainable, n = init_params(target, dc, init)
+        config, params, n = init_params(target, dc, init)
         prior = _lineage(init)  # read now: ``out`` may be the init checkpoint itself, rewritten at the end
-        if n is not None:
-            dc = dataclasses.replace(dc, draft_layers=n)
-        meta["init"] = str(init)
-    elif dc.head:
-        trainable = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params,
-                                      num_features=len(layers))
-        draft_cfg = target.config
-    else:
-        draft_cfg, trainable, picks = small_llama_init(target, dc.draft_layers)
-    loss = (eagle_loss(target.config, depth=dc.ttt_depth) if dc.head else distill_loss(draft_cfg))
+        return DraftInit(config, params, None, dc.draft_layers if n is None else n, prior)
+    if dc.head:
+        params = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params,
+                                   num_features=len(layers))
+        return DraftInit(target.config, params, None, dc.draft_layers, {})
+    config, params, picks = small_llama_init(target, dc.draft_layers)
+    return DraftInit(config, params, picks, dc.draft_layers, {})
 
-    validate, score_name = None, "top-1 agreement with the target"
-    if len(val_idx):
-        val_batches = _batches_of(data, labels, val_idx, dc.train.batch_size)
-        val_acc1 = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])
-        chains = _batches_of(data, labels, val_idx[data.generated[val_idx]], dc.train.batch_size)
-        chain = chain_acceptance(target.config, VALIDATION_K)
-        val_chain = jax.jit(lambda p, b: chain(p, frozen, b)) if dc.head and chains else None
+
+@dataclasses.dataclass
+class Trained:
+    """What training gave (step 3)."""
+
+    params: dict  # the best-scoring parameters (the last ones without held-out sequences)
+    history: list[dict]  # per logged step: metrics, tokens seen, validation scores
+    seconds: float
+    score_name: str  # what the validation score measures
+    init_score: Optional[float]  # an --init draft's held-out score before training
+
+
+def _validation(target, dc: DistillConfig, d: DistillData, loss):
+    """(validate, score name): ``validate(params)`` -> held-out metrics with the ``score``
+    training keeps its best state by (None without held-out sequences). A head's score is its
+    greedy mean accepted length at ``VALIDATION_K`` on held-out continuations, a small Llama's
+    its top-1 agreement with the target."""
+    from jspec.train.objectives import chain_acceptance
+
+    score_name = "top-1 agreement with the target"
+    if not len(d.val_idx):
+        return None, score_name
+    data, labels, val_idx, frozen = d.data, d.labels, d.val_idx, d.frozen
+    val_batches = _batches_of(data, labels, val_idx, dc.train.batch_size)
+    val_acc1 = jax.jit(lambda p, b: loss(p, frozen, b, jax.random.key(0))[1]["acc1"])
+    chains = _batches_of(data, labels, val_idx[data.generated[val_idx]], dc.train.batch_size)
+    chain = chain_acceptance(target.config, VALIDATION_K)
+    val_chain = jax.jit(lambda p, b: chain(p, frozen, b)) if dc.head and chains else None
+    if val_chain is not None:
+        score_name = f"mean accepted length at k = {VALIDATION_K} (greedy, held-out continuations)"
+
+    def validate(params):  # the early-stopping score and the curve's points
+        m = {"top1_agreement": float(np.mean([val_acc1(params, b) for b in val_batches]))}
         if val_chain is not None:
-            score_name = f"mean accepted length at k = {VALIDATION_K} (greedy, held-out continuations)"
+            acc, n = 0.0, 0
+            for b in chains:
+                a, c = val_chain(params, b)
+                acc, n = acc + float(np.asarray(a).sum()), n + int(c)
+            m[f"mean_accepted_length_k{VALIDATION_K}"] = 1 + acc / max(n, 1)
+            m["score"] = m[f"mean_accepted_length_k{VALIDATION_K}"]
+        else:
+            m["score"] = m["top1_agreement"]
+        return m
 
-        def validate(params):  # the early-stopping score and the curve's points
-            m = {"top1_agreement": float(np.mean([val_acc1(params, b) for b in val_batches]))}
-            if val_chain is not None:
-                acc, n = 0.0, 0
-                for b in chains:
-                    a, c = val_chain(params, b)
-                    acc, n = acc + float(np.asarray(a).sum()), n + int(c)
-                m[f"mean_accepted_length_k{VALIDATION_K}"] = 1 + acc / max(n, 1)
-                m["score"] = m[f"mean_accepted_length_k{VALIDATION_K}"]
-            else:
-                m["score"] = m["top1_agreement"]
-            return m
+    return validate, score_name
 
+
+def train_draft(target, dc: DistillConfig, d: DistillData, draft: DraftInit, *, state_dir: Path, started: float,
+                resume: bool = False, meta: Optional[dict] = None, init: Optional[str] = None,
+                say=print) -> tuple[DistillConfig, Trained]:
+    """Step 3: train ``draft`` with optax (:func:`jspec.train.trainer.train`, its state in
+    ``state_dir``); with ``dc.budget_minutes`` the steps are set to fit what is left of the budget
+    since ``started`` (kept from the first run on ``resume``). Returns ``dc`` with those steps."""
+    from jspec.train.objectives import distill_loss, eagle_loss
+
+    loss = (eagle_loss(target.config, depth=dc.ttt_depth) if dc.head else distill_loss(draft.config))
+    validate, score_name = _validation(target, dc, d, loss)
     init_score = None
     if init is not None and validate is not None:
-        init_score = validate(trainable)["score"]
+        init_score = validate(draft.params)["score"]
         say(f"--init {init}: held-out {score_name} before training {init_score:.4f}")
     if dc.budget_minutes is not None:
         saved = state_dir / "state.json"
         steps = (json.loads(saved.read_text())["steps"] if resume and saved.exists() else
-                 _steps_for_budget(dc, started, loss, trainable, frozen, batch_fn, validate, say))
+                 _steps_for_budget(dc, started, loss, draft.params, d.frozen, d.batch_fn, validate, say))
         dc = dataclasses.replace(dc, train=dataclasses.replace(dc.train, steps=steps))
-
     train_started = time.time()
-    trainable, history = train(loss, trainable, frozen, batch_fn, dc.train, state_dir=state_dir,
-                               resume=resume, meta=meta, validate=validate)
-    train_s = time.time() - train_started
+    params, history = train(loss, draft.params, d.frozen, d.batch_fn, dc.train, state_dir=state_dir,
+                            resume=resume, meta=meta, validate=validate)
+    return dc, Trained(params, history, time.time() - train_started, score_name, init_score)
+
+
+def draft_card(target, target_name: str, dc: DistillConfig, d: DistillData, draft: DraftInit, trained: Trained, *,
+               init: Optional[str] = None, started: float) -> dict:
+    """Step 4: the checkpoint's card: architecture, target identity, the data mix and its
+    speed, the training curve against tokens seen, and for a head its held-out acceptance per
+    position at T = 0 and 0.7."""
+    data, vocab_ids, val_idx, history = d.data, d.vocab_ids, d.val_idx, trained.history
     mask = np.arange(data.tokens.shape[1])[None, :] < data.lengths[:, None]
     covered = float(np.isin(data.argmax[mask], vocab_ids).mean())
     tail = history[-min(20, len(history)):] if history else []
     curve = [h for h in history if "validation" in h]
-    validation = {"sequences": int(len(val_idx)), "score": score_name,
+    validation = {"sequences": int(len(val_idx)), "score": trained.score_name,
                   "score_by_step": {str(h["step"]): round(h["validation"], 4) for h in curve},
                   "top1_agreement_by_step": {str(h["step"]): round(h["validation_metrics"]["top1_agreement"], 4)
                                              for h in curve},
@@ -338,12 +431,13 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
     if dc.head:
         config = {"decoder_layers": 1, "ttt_depth": dc.ttt_depth,
                   "initialised_from_target_layer": target.config.num_layers - 1}
-        if layers:
-            config.update(head="eagle3", feature_layers=list(layers))
+        if d.layers:
+            config.update(head="eagle3", feature_layers=list(d.layers))
     else:
-        config = {"draft_layers": dc.draft_layers, "initialised_from_target_layers": picks}
+        config = {"draft_layers": dc.draft_layers, "initialised_from_target_layers": draft.picks}
     sources = (data.mix or {}).get("sources") or [{"name": "stdlib signature + docstring, raw, target continuation",
                                                    "sequences": int(len(data.lengths))}]
+    prior, init_score = draft.prior, trained.init_score
     card = {
         "target": ckpt.target_identity(target) | {"name": target_name},
         "config": config,
@@ -355,7 +449,7 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
                  "continuation": f"target greedy, up to {dc.max_new_tokens} new tokens",
                  "tokens": int(data.lengths.sum()), "fingerprint": data.fingerprint(),
                  **({k: v for k, v in data.mix.items() if k != "sources"} if data.mix else {}),
-                 "seconds": round(data_s, 1)},
+                 "seconds": round(d.seconds, 1)},
         "training": {"steps": dc.train.steps, "batch_size": dc.train.batch_size,
                      "learning_rate": dc.train.learning_rate, "optimizer": "adamw, warmup-cosine, clip 0.5",
                      "final_metrics": {k: round(float(np.mean([h[k] for h in tail])), 4)
@@ -366,27 +460,27 @@ def run(target, target_name: str, out: Path, dc: DistillConfig, *, resume: bool 
                                   if init_score is not None else None, **prior}} if init is not None else {}),
                      "tokens_total": prior.get("tokens_total", 0) + (history[-1].get("tokens", 0) if history else 0),
                      **({"budget_minutes": dc.budget_minutes} if dc.budget_minutes is not None else {}),
-                     "seconds": round(train_s, 1), "machine": describe_machine(),
+                     "seconds": round(trained.seconds, 1), "machine": describe_machine(),
                      "date": datetime.date.today().isoformat()},
     }
     if dc.head and len(val_idx) and data.generated[val_idx].any():
-        card["held_out"] = dict(held_out_acceptance(target, trainable, frozen, vocab_ids, data, labels, val_idx,
-                                                    dc.eval_k),
+        card["held_out"] = dict(held_out_acceptance(target, trained.params, d.frozen, vocab_ids, data, d.labels,
+                                                    val_idx, dc.eval_k),
                                 what=f"acceptance per position of a {dc.eval_k}-token chain at every start in the "
                                      "held-out sequences' target-written continuations (training-time test; greedy "
                                      "exact, T = 0.7 the expected sum min(p, q) product)")
     card["wall_seconds"] = round(time.time() - started, 1)
+    return card
+
+
+def save_draft(out: Path, target, dc: DistillConfig, draft_config: ModelConfig, params: dict, vocab_ids: np.ndarray,
+               card: dict) -> None:
+    """The checkpoint in ``out``: an EAGLE head, or a small Llama with the target's embedding."""
     if dc.head:
-        ckpt.save_eagle(out, trainable, vocab_ids, card)
+        ckpt.save_eagle(out, params, vocab_ids, card)
     else:
-        params = dict(trainable, embed_tokens={"embedding": target.params["embed_tokens"]["embedding"]})
-        ckpt.save_small_llama(out, draft_cfg, params, vocab_ids, card)
-    if eval_prompts > 0:
-        measured = evaluate(target, out, dc.arch, eval_prompts, say=say)
-        if measured:
-            card = dict(ckpt.read_card(out), measured=measured)
-            ckpt.write_json(out / ckpt.CARD, card)
-    return ckpt.read_card(out)
+        params = dict(params, embed_tokens={"embedding": target.params["embed_tokens"]["embedding"]})
+        ckpt.save_small_llama(out, draft_config, params, vocab_ids, card)
 
 
 def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5, 6), max_new_tokens: int = 128,

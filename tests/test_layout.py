@@ -1,0 +1,115 @@
+"""The engine-layout planner (jspec.engine.layout) from configs alone. The numbers pinned below
+are what LLMEngine's own sizing code derived for these configs at commit 0b68fa1 (engines built
+and read back; the tensor-parallel ones on 4 host devices); the engine takes them from the
+planner."""
+
+import dataclasses
+
+import pytest
+
+from helpers import tiny_config, tiny_model
+from jspec.config import CacheConfig, EngineConfig, SamplingParams
+from jspec.engine import layout as layout_lib
+from jspec.engine.engine import LLMEngine
+from jspec.engine.layout import EngineLayout, fit_max_model_len, plan_layout
+from jspec.errors import ConfigError
+from jspec.models.tensor_parallel import tp_config
+from jspec.speculative.drafters import NgramDrafter
+
+TARGET = tiny_config(num_layers=3)  # 3 layers, 2 KV heads of 16, float32, context 512
+DRAFT = tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
+
+S16_256 = ((1, 16), (4, 16), (1, 64), (4, 64), (1, 256))  # the prefill shapes of a budget of 256..511
+# name: (model config, engine config, k_max, drafter pages, pinned numbers)
+# pinned: max_model_len, buffer_len, table_width, num_pages, prefill_shapes, buckets, memory bytes, described pool
+CASES = {
+    "default": (TARGET, EngineConfig(), 0, None,
+                (512, 528, 33, 265, ((1, 16), (4, 16), (16, 16), (1, 64), (4, 64), (1, 256)), (1, 2, 4, 8), 3273216,
+                 "a KV cache of 4,240 tokens and 8 slots of 528 tokens")),
+    "ngram": (TARGET, EngineConfig(max_num_seqs=4, max_model_len=100, page_size=8), 3, None,
+              (100, 104, 13, 53, S16_256, (1, 2, 4), 327296, "a KV cache of 424 tokens and 4 slots of 104 tokens")),
+    "draft model, bfloat16 pages": (
+        TARGET, EngineConfig(max_num_seqs=3, max_model_len=200, kv_cache_tokens=1000, page_size=32,
+                             max_num_batched_tokens=300, kv_cache_dtype="bfloat16"), 4, DRAFT,
+        (200, 224, 7, 33, S16_256, (1, 2, 3), 475776, "a KV cache of 1,056 tokens and 3 slots of 224 tokens")),
+    "pages of one token": (
+        TARGET, EngineConfig(max_num_seqs=13, max_model_len=77, max_num_batched_tokens=2048, page_size=1), 0, None,
+        (77, 78, 78, 1015, ((1, 32), (4, 32), (16, 32), (1, 128), (4, 128), (1, 512)), (1, 2, 4, 8, 13), 783576,
+         "a KV cache of 1,015 tokens and 13 slots of 78 tokens")),
+    "one chunk width left": (
+        TARGET, EngineConfig(max_num_seqs=2, max_num_batched_tokens=26, max_model_len=64, page_size=64), 4, None,
+        (64, 128, 2, 5, ((1, 16),), (1, 2), 246784, "a KV cache of 320 tokens and 2 slots of 128 tokens")),
+    "fp8 pages and a draft model's": (
+        TARGET, EngineConfig(max_num_seqs=2, max_model_len=90, kv_cache_dtype="fp8"), 2, DRAFT,
+        (90, 96, 6, 13, S16_256, (1, 2), 47360, "a KV cache of 208 tokens and 2 slots of 96 tokens")),
+    "tensor parallel 2": (
+        tp_config(TARGET, 2), EngineConfig(tensor_parallel_size=2, max_num_seqs=2, max_model_len=128), 0, None,
+        (128, 144, 9, 19, S16_256, (1, 2), 117888, "a KV cache of 304 tokens and 2 slots of 144 tokens")),
+    "tensor parallel 4, KV heads repeated": (
+        tp_config(TARGET, 4), EngineConfig(tensor_parallel_size=4, max_num_seqs=3, max_model_len=60, page_size=4,
+                                           kv_cache_tokens=333), 2, None,
+        (60, 64, 16, 85, S16_256, (1, 2, 3), 131328, "a KV cache of 340 tokens and 3 slots of 64 tokens")),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layouts_pinned(name):
+    model, config, k, draft, want = CASES[name]
+    lay = plan_layout(model, config, k_max=k, draft=draft)
+    got = (lay.max_model_len, lay.buffer_len, lay.table_width, lay.num_pages, lay.prefill_shapes, lay.buckets,
+           lay.memory_bytes, lay.describe())
+    assert got == want
+    assert lay.k_max == k and lay.num_slots == config.max_num_seqs and lay.page_size == config.page_size
+    assert lay.usable_pages == lay.num_pages - 1 and lay.pool_tokens == lay.num_pages * lay.page_size
+
+
+@pytest.mark.parametrize("config, k, message", [
+    (EngineConfig(max_model_len=100000), 0, r"^max_model_len 100000 exceeds the model's context \(512\)$"),
+    (EngineConfig(max_num_seqs=8, max_num_batched_tokens=50), 4,
+     r"^max_num_batched_tokens \(50\) must hold every slot's decode rows \(8 x 5\) plus a prefill chunk of >= 16 "
+     r"tokens$"),
+])
+def test_layouts_refused(config, k, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_layout(TARGET, config, k_max=k)
+
+
+def test_the_engine_takes_its_layout_from_the_planner():
+    target = tiny_model(TARGET)
+    config = EngineConfig(max_num_seqs=4, max_model_len=100, page_size=8)
+    engine = LLMEngine(target, config, drafter=NgramDrafter(3, 3, 1))
+    assert engine.layout == plan_layout(TARGET, config, k_max=3)
+    assert (engine.k_max, engine.max_model_len, engine.buffer_len) == (3, 100, 104)
+    assert engine.allocator.num_pages == 53 and engine.scheduler.tables().shape == (4, 13)
+
+
+def test_layout_is_frozen_and_max_request_tokens():
+    lay = plan_layout(TARGET, EngineConfig(max_num_seqs=1, max_model_len=500, kv_cache_tokens=64), k_max=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lay.num_pages = 1
+    assert isinstance(lay, EngineLayout)
+    # a pool of 4 usable pages of 16 holds 64 tokens, 4 of them one verification's rows
+    assert lay.max_request_tokens == 60
+    assert plan_layout(TARGET, EngineConfig(max_model_len=100)).max_request_tokens == 100
+
+
+def test_front_end_sizing_pinned():
+    """What jspec.generate's engine_config and jspec generate's max_model_len gave at commit 0b68fa1."""
+    from jspec.cli.checks import run_tokens
+    from jspec.engine.generate import engine_config
+
+    target = tiny_model(TARGET)
+    cases = [([[1] * 10, [2] * 37], SamplingParams(max_tokens=20), 0, CacheConfig(), {}, (2, 514, 64, 160, 16, 21)),
+             ([[1] * 100], SamplingParams(max_tokens=300), 4, CacheConfig(page_size=128), {"max_num_seqs": 1},
+              (1, 517, 448, 512, 128, 301)),
+             ([[1] * 5] * 40, SamplingParams(max_tokens=600), 3, CacheConfig(prefill_chunk=100), {"dynamic_k": True},
+              (40, 800, 512, 21120, 16, 16))]
+    for ids, sp, k, cache, kw, want in cases:
+        c = engine_config(target, ids, sp, k, cache, **kw)
+        assert (c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, c.kv_cache_tokens, c.page_size,
+                c.max_burst_steps) == want
+    assert [run_tokens(0, n, 0, ps, ctx, chat) for n, ps, ctx, chat in
+            [(50, 16, 512, False), (50, 16, 512, True), (500, 128, 512, False), (1000, 16, 2048, True)]] == \
+        [64, 320, 512, 1280]
+    assert fit_max_model_len(65, 512) == 128 and fit_max_model_len(600, 512) == 512
+    assert layout_lib.batched_tokens(8, 4) == 8 * 5 + 256
