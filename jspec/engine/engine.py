@@ -546,7 +546,7 @@ class LLMEngine:
 
         The prefill matters: verification attending to pages that were never written made the
         target's choices garbage, the lookup lost its match after one step, and the "speculative"
-        steps timed were plain ones (BENCHMARKS.md: k = 4 at 16 slots timed 60 ms a step against
+        steps timed were plain ones (measured 2026-12-02: k = 4 at 16 slots timed 60 ms a step against
         165 ms in use). The times seed the buckets' cost models (single bursts measured while
         serving were too noisy to rank k). Nothing is left behind: the slots are released and the
         pages were never the allocator's (empty engine: no page is held). Returns
