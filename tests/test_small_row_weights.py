@@ -13,8 +13,9 @@ from helpers import tiny_config, tiny_model
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
 from jspec.errors import ConfigError
-from jspec.models.eagle import HEAD_PROJECTIONS, init_eagle_params
-from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, output_embedding, with_small_row_weights
+from jspec.models.cpu_path import HEAD_PROJECTIONS, KERNEL_ROWS, PROJECTIONS, Linear, with_small_row_weights
+from jspec.models.eagle import init_eagle_params
+from jspec.models.llama import output_embedding
 from jspec.speculative.drafters.eagle import EagleDrafter
 from pallas_kernels.cpu import small_rows
 from pallas_kernels.cpu.small_rows import pack_rows, unpack_rows
@@ -40,7 +41,7 @@ def test_a_quantized_copy_is_read_up_to_32_rows(kernels_on):
     """A copy in the quantized layout (a GGUF file's blocks) is read for up to 32 rows, where the
     float32 ``kernel`` through XLA would read 4.8x the bytes; a float copy only up to 16."""
     from jspec.loading.convert import quantize_rows
-    from jspec.models.llama import QUANTIZED_KERNEL_ROWS
+    from jspec.models.cpu_path import QUANTIZED_KERNEL_ROWS
 
     p = Linear(8).init(jax.random.PRNGKey(0), jnp.ones((3, 64)))["params"]
     doubled = {"params": {**p, "weight": jnp.asarray(quantize_rows(np.asarray(2 * p["kernel"].T), "q8_0"))}}
@@ -148,7 +149,7 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
     (layer_tail); with another attention, 4 fused products. No plain product either way, and the
     logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
     more rows folds nothing."""
-    from jspec.models.llama import forward
+    from jspec.models.cpu_path import CPU
     from jspec.train.objectives import fresh_cache
     from pallas_kernels.cpu.layer_tail import LAYER_TARGET, STACK_TARGET
     from pallas_kernels.cpu.layer_tail import TARGET as TAIL_TARGET
@@ -162,8 +163,8 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
         tokens = jnp.asarray(np.random.default_rng(rows).integers(1, cfg.vocab_size, (1, rows)), jnp.int32)
         for attention in ("cpu", "xla"):
             def step(params):
-                return forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]),
-                               attention=attention)
+                return CPU.forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]),
+                                   attention=attention)
 
             text = jax.jit(step).lower(packed).as_text()
             folded = rows in KERNEL_ROWS
@@ -250,8 +251,8 @@ def test_a_drafters_weights_are_quantized_to_q8_0_and_the_output_stays_exact(ker
         back = np.asarray(small_rows.dequantize(w, kernel.shape[1]))
         np.testing.assert_allclose(back, kernel.T, atol=np.abs(kernel).max() / 127)
     h = jax.random.normal(jax.random.key(3), (2, model.config.hidden_size))
-    exact = draft_vocab_logits(h, params, model.config.vocab_size)
-    quant = draft_vocab_logits(h, dp, model.config.vocab_size)
+    exact = draft_vocab_logits(h, params, model.config.vocab_size, engine.path)
+    quant = draft_vocab_logits(h, dp, model.config.vocab_size, engine.path)
     keep = np.isfinite(np.asarray(exact))
     assert (np.isfinite(np.asarray(quant)) == keep).all()
     scale = float(np.abs(np.asarray(exact)[keep]).max())

@@ -42,10 +42,12 @@ from jspec.engine.scheduler import Plan, Scheduler, prefill_shapes
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
 from jspec.loading.convert import quantized_drafter_weights
-from jspec.models.eagle import HEAD_PROJECTIONS
-from jspec.models.llama import Segment, small_rows_apply, with_small_row_weights
+from jspec.models import cpu_path
+from jspec.models.cpu_path import HEAD_PROJECTIONS, with_small_row_weights
+from jspec.models.llama import Segment
+from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
-from jspec.speculative.drafters import make_drafter
+from jspec.speculative.drafters import make_drafter, on_path
 from jspec.speculative.steps import PlainStep, SpecStep
 from jspec.timing import compile_seconds
 
@@ -106,9 +108,16 @@ def _round_up(n: int, m: int) -> int:
 
 class LLMEngine:
     @staticmethod
+    def _model_path(mc, device) -> ModelPath:
+        """How the steps and the drafter run the models, chosen once: on the CPU kernels
+        (:mod:`jspec.models.cpu_path`) where the small-row kernel applies (the CPU backend, a float32
+        model, the kernel built and tuned for this CPU), the plain modules elsewhere."""
+        return cpu_path.CPU if device.platform == "cpu" and cpu_path.small_rows_apply(mc.dtype) else PLAIN
+
+    @staticmethod
     def _small_row_weights(config: EngineConfig, mc, device) -> bool:
         """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
-        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and small_rows_apply(mc.dtype)
+        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and cpu_path.small_rows_apply(mc.dtype)
         if config.small_row_weights and not applies:
             log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, or "
                         "the kernel is not built); the engine runs without the copy", device.platform, mc.dtype)
@@ -138,7 +147,9 @@ class LLMEngine:
             drafter, drafter_params = sharded.shard_drafter(drafter, drafter_params, one_device, model.config,
                                                             self.mesh)
         mc = model.config
-        self.drafter = drafter
+        device = jax.local_devices()[0]
+        self.path = self._model_path(mc, device)
+        drafter = self.drafter = on_path(drafter, self.path)
         k_max = drafter.k if drafter is not None else 0
         self.k_max = k_max
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -158,12 +169,12 @@ class LLMEngine:
                               f"decode rows ({b} x {k_max + 1}) plus a prefill chunk of >= {MIN_CHUNK} tokens")
         self.prefill_shapes = prefill_shapes(budget, b, chunk_widths(budget))
         eos = tuple(mc.eos_token_ids)
-        self._steps = {0: PlainStep(mc, eos, attention, drafter)}
+        self._steps = {0: PlainStep(mc, eos, attention, drafter, self.path)}
         candidates = [0] if drafter is None else ([k_max] if not self.spec.dynamic_k else
                                                   sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
         for k in candidates:
             if k > 0:
-                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
+                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k), self.path)
         self.buckets = slot_buckets(b)
         # a step's time depends on the rows it runs, so each bucket keeps its own measurements;
         # what finished requests accepted is the prior of every bucket's estimates
@@ -178,7 +189,6 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, ps, reserve_null=True,
                                        shuffle_seed=config.seed if config.shuffle_pages else None)
         salt = f"{model.source}:{mc}:{type(drafter).__name__}".encode()
-        device = jax.local_devices()[0]
         self.scheduler = Scheduler(num_slots=b, table_width=table_width, allocator=self.allocator,
                                    shapes=self.prefill_shapes, max_burst_steps=config.max_burst_steps,
                                    prefix_caching=config.enable_prefix_caching, salt=salt,
