@@ -1,7 +1,7 @@
-"""The packed copy of the layer projections the engine keeps for steps of a few rows on the CPU
-small-row kernel (``EngineConfig(small_row_weights=...)``): same parameters as
-``nn.Dense``, used exactly for the row counts it is meant for, and the engine's outputs
-unchanged by it."""
+"""The CPU path (jspec.models.cpu_path) and the packed copy of the layer projections the engine
+keeps for steps of a few rows on the CPU small-row kernel (``EngineConfig(small_row_weights=...)``):
+same parameters as ``nn.Dense``, used exactly for the row counts it is meant for, and the
+engine's outputs unchanged by it; the path chosen once by the engine."""
 
 import flax.linen as nn
 import jax
@@ -112,6 +112,60 @@ def test_small_row_weights_must_be_a_bool_on_one_device():
         EngineConfig(small_row_weights="yes")
     with pytest.raises(ConfigError, match="one device"):
         EngineConfig(small_row_weights=True, tensor_parallel_size=2)
+
+
+def test_the_engine_picks_the_model_path_once(kernels_on, monkeypatch):
+    """The engine chooses how the models run once (jspec.models.path): on the CPU kernels
+    (jspec.models.cpu_path.CPU) where the small-row kernel applies, for every step and for the
+    drafter alike (a hybrid's EAGLE head included); the plain modules (PLAIN) where it does not."""
+    from jspec.models.cpu_path import CPU
+    from jspec.models.path import PLAIN
+    from jspec.speculative.drafters.hybrid import HybridDrafter
+
+    model = tiny_model(tiny_config(num_layers=4))
+    head, params = _eagle(model)
+    for kernels, path in (("1", CPU), ("0", PLAIN)):
+        monkeypatch.setenv("JSPEC_CPU_KERNELS", kernels)
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64), SpecConfig(),
+                           drafter=HybridDrafter(3, head), drafter_params=params)
+        assert engine.path is path and engine.drafter.head.path is path
+        assert engine._steps.keys() == {0, 3}
+        assert all(step.path is path and step.drafter.head.path is path for step in engine._steps.values())
+        assert bool(_packed(engine.runner.params)) == (path is CPU)
+
+
+def test_the_models_rms_norm_is_the_kernels_reference_bit_for_bit():
+    """One RMSNorm formula: the plain model's (jspec.models.llama.rms_norm) is the CPU kernels'
+    reference (pallas_kernels.cpu.small_rows.rms_norm_reference; the kernels import nothing of
+    jspec) bit for bit, so a norm no kernel folds gives the same bits on either path."""
+    from jspec.models.llama import rms_norm
+
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(30 * rng.standard_normal((7, 96)), dtype)
+        scale = jnp.asarray(1 + 0.1 * rng.standard_normal(96), dtype)
+        for eps in (1e-5, 1e-6):
+            ours = jax.jit(rms_norm, static_argnums=2)(x, scale, eps)
+            kernels = jax.jit(small_rows.rms_norm_reference, static_argnums=2)(x, scale, eps)
+            assert ours.dtype == kernels.dtype and np.asarray(ours).tobytes() == np.asarray(kernels).tobytes()
+
+
+def test_only_the_cpu_path_imports_the_cpu_kernels():
+    """DESIGN.md: a model family's file never imports the CPU kernels; jspec.models.cpu_path alone
+    wraps the models for them."""
+    import ast
+    import pathlib
+
+    import jspec.models
+
+    for f in sorted(pathlib.Path(jspec.models.__file__).parent.glob("*.py")):
+        names = []
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+        assert any(n.startswith("pallas_kernels.cpu") for n in names) == (f.name == "cpu_path.py"), f.name
 
 
 def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):

@@ -16,6 +16,11 @@ speculation) per burst from a cost model measured on this machine
 A decode burst runs on the running slots only, gathered into the smallest slot bucket
 (1, 2, 4, ... ``max_num_seqs``) that holds them (see :mod:`jspec.engine.runner`): at a low
 request rate one request pays for its own rows, not for every slot's.
+
+How the models run is chosen once, here (``LLMEngine.path``, a :class:`~jspec.models.path.ModelPath`
+the steps and the drafter carry): on the CPU kernels (:mod:`jspec.models.cpu_path`, with the
+parameters' packed copies where ``EngineConfig.small_row_weights`` keeps them) where the CPU
+small-row kernel applies, the plain modules elsewhere.
 """
 
 from __future__ import annotations
