@@ -22,7 +22,7 @@ import numpy as np
 import common  # noqa: F401  (environment)
 
 import jspec
-from jspec.models.llama import small_rows_apply
+from jspec.models.cpu_path import small_rows_apply
 
 
 def main():

@@ -13,7 +13,7 @@ The engine's parameters are what it runs: on the CPU kernel, the small-row copy 
 projections, as the GGUF file's own Q4_1 / Q8_0 blocks where it has them.
 ``--compare-small-row-weights`` adds the same profile without the copy (the model's float32
 parameters through XLA), ``--compare-float-weights`` with a float32 copy in place of the blocks
-(``jspec.models.llama.with_small_row_weights`` without ``quantized``), ``--compare-int8-activations``
+(``jspec.models.cpu_path.with_small_row_weights`` without ``quantized``), ``--compare-int8-activations``
 with the blocks in the int8 dot-product layout (``EngineConfig.quantized_activations``: activations
 rounded to int8, integer products), in the same run.
 """
@@ -27,7 +27,7 @@ import common
 import jspec
 from jspec.config import SpecConfig
 from jspec.bench.profile import prepared_engine, profile_ops
-from jspec.models.llama import with_small_row_weights
+from jspec.models.cpu_path import with_small_row_weights
 
 
 def main():

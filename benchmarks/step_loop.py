@@ -20,7 +20,7 @@ import jax
 import jspec
 from jspec.config import SpecConfig
 from jspec.bench.profile import StepLoop, prepared_engine
-from jspec.models.llama import with_small_row_weights
+from jspec.models.cpu_path import with_small_row_weights
 
 
 def main():

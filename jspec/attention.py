@@ -1,4 +1,4 @@
-"""Picks the implementation of the verification-attention contract.
+"""Picks the implementation of the verification-attention contract (and of RoPE's rotation).
 
 One operation, one meaning (see :mod:`pallas_kernels.paged_verify_attention`): ``q_lens[b]``
 new query rows whose K/V are already in the pages, ``kv_lens[b]`` keys including them, row t at
@@ -16,6 +16,9 @@ Implementations:
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm); 16- and 32-bit pages
     interpret  the same Pallas kernel in interpret mode (CPU tests)
     auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
+
+:func:`rotate` is RoPE's rotation of the queries and keys the contract reads: on the CPU the C++
+op, elsewhere the same formula in ``jnp``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 from jspec.errors import ConfigError
 from pallas_kernels.cpu import build as cpu_kernels
+from pallas_kernels.cpu import layer_tail
 from pallas_kernels.cpu.paged_attention import paged_attention_cpu
 
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "interpret")
@@ -133,3 +137,13 @@ def get(impl: str = "auto") -> Callable:
     from pallas_kernels.paged_verify_attention import paged_verify_attention
 
     return functools.partial(paged_verify_attention, interpret=(impl == "interpret"))
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of ``x`` [..., heads, D] with ``cos`` / ``sin`` [..., D] of each row's
+    position: ``x cos + rotate_half(x) sin``. On the CPU (float32, kernels built) the C++ op
+    ``pallas_kernels.cpu.layer_tail.rotate``, which rounds each product before the sum in every
+    compiled step (XLA contracted the elementwise formula to FMAs in some steps and not in others,
+    so a row's K moved by an ulp between a step with drafts and one without, and speculative
+    output parted from plain decoding); elsewhere the formula in ``jnp``."""
+    return layer_tail.rotate(x, cos, sin)

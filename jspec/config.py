@@ -389,11 +389,11 @@ class EngineConfig:
     - ``tensor_parallel_size``: devices the target's heads, MLP and vocabulary (and the KV
       pages) are sharded over (:mod:`jspec.parallel`);
     - ``small_row_weights``: keep a packed copy of the target's layer projections for steps of
-      1-16 rows, read by the CPU small-row kernel (:func:`jspec.models.llama.with_small_row_weights`,
-      ``pallas_kernels.cpu.small_rows``). ``None`` (the default): on where it applies (the CPU
-      backend, one device, a float32 target, the kernel built); ``False``: off; ``True``: on
-      wherever it applies (a warning where it does not). It costs the projections' memory once
-      more (425 MB for SmolLM2-135M);
+      1-16 rows, read by the CPU small-row kernel on the engine's CPU path
+      (:func:`jspec.models.cpu_path.with_small_row_weights`, ``pallas_kernels.cpu.small_rows``).
+      ``None`` (the default): on where it applies (the CPU backend, one device, a float32 target,
+      the kernel built); ``False``: off; ``True``: on wherever it applies (a warning where it
+      does not). It costs the projections' memory once more (425 MB for SmolLM2-135M);
     - ``quantized_weights``: where the small-row copy is kept and the checkpoint stores a projection
       (or the LM head) as Q4_1 or Q8_0 blocks (a GGUF file: ``LoadedModel.quantized``), the copy is
       those blocks as they are, not floats (66 + 30 MB instead of 425 + 113 for SmolLM2-135M's Q4_1

@@ -143,7 +143,8 @@ def test_gguf_keeps_the_blocks_the_small_row_kernel_reads(tmp_path, hf_dir, qtyp
     """A Q4_1 / Q8_0 file's projections and LM head are kept as their blocks in the kernel's
     layout (LoadedModel.quantized), and they hold exactly the loaded float32 parameters; a file
     in another type, or a model loaded in another dtype, keeps none."""
-    from jspec.models.llama import output_embedding, with_small_row_weights
+    from jspec.models.cpu_path import with_small_row_weights
+    from jspec.models.llama import output_embedding
     from pallas_kernels.cpu.small_rows import dequantize
 
     path = tmp_path / f"tiny-{qtype}.gguf"
@@ -180,7 +181,7 @@ def _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, pick):
     import jax.numpy as jnp
 
     from jspec.cache.paged import init_cache
-    from jspec.models.llama import forward
+    from jspec.models.cpu_path import CPU
     from pallas_kernels.cpu import build as cpu_kernels
 
     if not cpu_kernels.available():
@@ -192,7 +193,8 @@ def _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, pick):
     cfg = model.config
     cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(4, dtype=jnp.int32)[None], 4, 16)
     tokens = jnp.array([[3, 17, 42, 7, 99]], jnp.int32)
-    return model, jax.jit(lambda p: pick(forward(p, cfg, tokens, cache, jnp.array([5], jnp.int32), attention="cpu")))
+    q_lens = jnp.array([5], jnp.int32)
+    return model, jax.jit(lambda p: pick(CPU.forward(p, cfg, tokens, cache, q_lens, attention="cpu")))
 
 
 def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf_dir, monkeypatch):
@@ -201,7 +203,7 @@ def test_engine_on_quantized_blocks_gives_the_float_weights_results(tmp_path, hf
     head is XLA's product without the blocks, the kernel's with them), the same greedy tokens."""
     from jspec.config import EngineConfig
     from jspec.errors import ConfigError
-    from jspec.models.llama import with_small_row_weights
+    from jspec.models.cpu_path import with_small_row_weights
 
     model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out[:2])
     quant = with_small_row_weights(model.params, quantized=model.quantized)
@@ -229,7 +231,7 @@ def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch)
     each prompt alone, of both together, and n-gram speculation (k + 1 rows a step)."""
     from jspec.config import EngineConfig
     from jspec.errors import ConfigError
-    from jspec.models.llama import with_small_row_weights
+    from jspec.models.cpu_path import with_small_row_weights
     from pallas_kernels.cpu import small_rows
 
     model, step = _q4_1_model_and_step(tmp_path, hf_dir, monkeypatch, lambda out: out.logits)

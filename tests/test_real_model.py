@@ -33,14 +33,14 @@ def _logits(model, ids, attention: str, params=None, dtype=jnp.float32, tables=N
     """jspec's logits [T, V] for one prompt's forward on fresh pages (``tables`` [1, pages] of a pool
     of ``pool`` pages of 16 tokens, ``dtype``; default: pages 0 .. n - 1 and one spare)."""
     from jspec.cache import init_cache
-    from jspec.models.llama import forward
+    from jspec.models.cpu_path import CPU  # as the engine runs the model on the CPU
 
     cfg = model.config
     pages = -(-len(ids) // 16)
     tables = jnp.arange(pages, dtype=jnp.int32)[None] if tables is None else tables
     cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, pages + 1 if pool is None else pool,
                        16, dtype)
-    got = jax.jit(lambda p, t, c, q: forward(p, cfg, t, c, q, attention=attention).logits)(
+    got = jax.jit(lambda p, t, c, q: CPU.forward(p, cfg, t, c, q, attention=attention).logits)(
         model.params if params is None else params, jnp.asarray([ids]), cache, jnp.asarray([len(ids)], jnp.int32))
     return np.asarray(got[0])
 
@@ -165,7 +165,7 @@ def test_a_draft_vocabularys_q8_0_head_is_the_targets_own_blocks(smollm2):
     draft_quantization); those rows are the target's dequantized Q8_0 embedding, so they come back
     as the GGUF file's own blocks, record for record: that head's logits do not change."""
     from jspec.loading.convert import quantized_drafter_weights
-    from jspec.models.eagle import HEAD_PROJECTIONS
+    from jspec.models.cpu_path import HEAD_PROJECTIONS
     from jspec.speculative.drafters.eagle import make_eagle_drafter
 
     _, params = make_eagle_drafter(jspec.SpecConfig("eagle", 2, draft="smollm2-135m-eagle3"), smollm2)
@@ -211,7 +211,7 @@ def test_int8_activations_on_the_real_model(smollm2, hf_smollm2):
     to plain decoding with the same setting (the rounding amplifies any difference between a
     verification step's rows and a decode step's: this caught XLA compiling RoPE differently in
     different steps)."""
-    from jspec.models.llama import with_small_row_weights
+    from jspec.models.cpu_path import with_small_row_weights
 
     params = with_small_row_weights(smollm2.params, quantized=smollm2.quantized, int8_dot=True)
     for prompt in PROMPTS:

@@ -1,7 +1,7 @@
-"""The packed copy of the layer projections the engine keeps for steps of a few rows on the CPU
-small-row kernel (``EngineConfig(small_row_weights=...)``): same parameters as
-``nn.Dense``, used exactly for the row counts it is meant for, and the engine's outputs
-unchanged by it."""
+"""The CPU path (jspec.models.cpu_path) and the packed copy of the layer projections the engine
+keeps for steps of a few rows on the CPU small-row kernel (``EngineConfig(small_row_weights=...)``):
+same parameters as ``nn.Dense``, used exactly for the row counts it is meant for, and the
+engine's outputs unchanged by it; the path chosen once by the engine."""
 
 import flax.linen as nn
 import jax
@@ -13,8 +13,9 @@ from helpers import tiny_config, tiny_model
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
 from jspec.errors import ConfigError
-from jspec.models.eagle import HEAD_PROJECTIONS, init_eagle_params
-from jspec.models.llama import KERNEL_ROWS, PROJECTIONS, Linear, output_embedding, with_small_row_weights
+from jspec.models.cpu_path import HEAD_PROJECTIONS, KERNEL_ROWS, PROJECTIONS, Linear, with_small_row_weights
+from jspec.models.eagle import init_eagle_params
+from jspec.models.llama import output_embedding
 from jspec.speculative.drafters.eagle import EagleDrafter
 from pallas_kernels.cpu import small_rows
 from pallas_kernels.cpu.small_rows import pack_rows, unpack_rows
@@ -40,7 +41,7 @@ def test_a_quantized_copy_is_read_up_to_32_rows(kernels_on):
     """A copy in the quantized layout (a GGUF file's blocks) is read for up to 32 rows, where the
     float32 ``kernel`` through XLA would read 4.8x the bytes; a float copy only up to 16."""
     from jspec.loading.convert import quantize_rows
-    from jspec.models.llama import QUANTIZED_KERNEL_ROWS
+    from jspec.models.cpu_path import QUANTIZED_KERNEL_ROWS
 
     p = Linear(8).init(jax.random.PRNGKey(0), jnp.ones((3, 64)))["params"]
     doubled = {"params": {**p, "weight": jnp.asarray(quantize_rows(np.asarray(2 * p["kernel"].T), "q8_0"))}}
@@ -113,6 +114,60 @@ def test_small_row_weights_must_be_a_bool_on_one_device():
         EngineConfig(small_row_weights=True, tensor_parallel_size=2)
 
 
+def test_the_engine_picks_the_model_path_once(kernels_on, monkeypatch):
+    """The engine chooses how the models run once (jspec.models.path): on the CPU kernels
+    (jspec.models.cpu_path.CPU) where the small-row kernel applies, for every step and for the
+    drafter alike (a hybrid's EAGLE head included); the plain modules (PLAIN) where it does not."""
+    from jspec.models.cpu_path import CPU
+    from jspec.models.path import PLAIN
+    from jspec.speculative.drafters.hybrid import HybridDrafter
+
+    model = tiny_model(tiny_config(num_layers=4))
+    head, params = _eagle(model)
+    for kernels, path in (("1", CPU), ("0", PLAIN)):
+        monkeypatch.setenv("JSPEC_CPU_KERNELS", kernels)
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64), SpecConfig(),
+                           drafter=HybridDrafter(3, head), drafter_params=params)
+        assert engine.path is path and engine.drafter.head.path is path
+        assert engine._steps.keys() == {0, 3}
+        assert all(step.path is path and step.drafter.head.path is path for step in engine._steps.values())
+        assert bool(_packed(engine.runner.params)) == (path is CPU)
+
+
+def test_the_models_rms_norm_is_the_kernels_reference_bit_for_bit():
+    """One RMSNorm formula: the plain model's (jspec.models.llama.rms_norm) is the CPU kernels'
+    reference (pallas_kernels.cpu.small_rows.rms_norm_reference; the kernels import nothing of
+    jspec) bit for bit, so a norm no kernel folds gives the same bits on either path."""
+    from jspec.models.llama import rms_norm
+
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(30 * rng.standard_normal((7, 96)), dtype)
+        scale = jnp.asarray(1 + 0.1 * rng.standard_normal(96), dtype)
+        for eps in (1e-5, 1e-6):
+            ours = jax.jit(rms_norm, static_argnums=2)(x, scale, eps)
+            kernels = jax.jit(small_rows.rms_norm_reference, static_argnums=2)(x, scale, eps)
+            assert ours.dtype == kernels.dtype and np.asarray(ours).tobytes() == np.asarray(kernels).tobytes()
+
+
+def test_only_the_cpu_path_imports_the_cpu_kernels():
+    """DESIGN.md: a model family's file never imports the CPU kernels; jspec.models.cpu_path alone
+    wraps the models for them."""
+    import ast
+    import pathlib
+
+    import jspec.models
+
+    for f in sorted(pathlib.Path(jspec.models.__file__).parent.glob("*.py")):
+        names = []
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names]
+        assert any(n.startswith("pallas_kernels.cpu") for n in names) == (f.name == "cpu_path.py"), f.name
+
+
 def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
     """The engine packs a drafter's projections beside the target's (an EAGLE-3 head's fusion,
     ``fc`` and decoder layer; its draft-vocabulary LM head reads its rows in place): the drafts it
@@ -148,7 +203,7 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
     (layer_tail); with another attention, 4 fused products. No plain product either way, and the
     logits, hidden states and cache equal the plain parameters' up to float rounding. A step of
     more rows folds nothing."""
-    from jspec.models.llama import forward
+    from jspec.models.cpu_path import CPU
     from jspec.train.objectives import fresh_cache
     from pallas_kernels.cpu.layer_tail import LAYER_TARGET, STACK_TARGET
     from pallas_kernels.cpu.layer_tail import TARGET as TAIL_TARGET
@@ -162,8 +217,8 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
         tokens = jnp.asarray(np.random.default_rng(rows).integers(1, cfg.vocab_size, (1, rows)), jnp.int32)
         for attention in ("cpu", "xla"):
             def step(params):
-                return forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]),
-                               attention=attention)
+                return CPU.forward(params, cfg, tokens, fresh_cache(cfg, cfg.num_layers, 1, 32), jnp.asarray([rows]),
+                                   attention=attention)
 
             text = jax.jit(step).lower(packed).as_text()
             folded = rows in KERNEL_ROWS
@@ -250,8 +305,8 @@ def test_a_drafters_weights_are_quantized_to_q8_0_and_the_output_stays_exact(ker
         back = np.asarray(small_rows.dequantize(w, kernel.shape[1]))
         np.testing.assert_allclose(back, kernel.T, atol=np.abs(kernel).max() / 127)
     h = jax.random.normal(jax.random.key(3), (2, model.config.hidden_size))
-    exact = draft_vocab_logits(h, params, model.config.vocab_size)
-    quant = draft_vocab_logits(h, dp, model.config.vocab_size)
+    exact = draft_vocab_logits(h, params, model.config.vocab_size, engine.path)
+    quant = draft_vocab_logits(h, dp, model.config.vocab_size, engine.path)
     keep = np.isfinite(np.asarray(exact))
     assert (np.isfinite(np.asarray(quant)) == keep).all()
     scale = float(np.abs(np.asarray(exact)[keep]).max())

@@ -95,7 +95,7 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     num = jnp.full((1,), k, jnp.int32) if prop.num_drafts is None else jnp.minimum(prop.num_drafts, k)
     verify = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None, pr.target_cache))
     whole = jax.jit(lambda p, dp, s: step(p, dp, s))
-    plain = PlainStep(step.config, step.eos_ids, step.attention)
+    plain = PlainStep(step.config, step.eos_ids, step.attention, path=step.path)
     plain_fn = jax.jit(lambda p, s: plain(p, None, s))
     return StepProfile(
         draft_ms=best_ms(propose, dparams, params, state, repeats=repeats),
@@ -237,11 +237,11 @@ def target_step_fn(engine: LLMEngine, q_len: int):
 
     if q_len == 1:
         def decode(p, s):
-            cache, _, nxt, _ = plain_token_step(p, cfg, attn, s, s.cache)
+            cache, _, nxt, _ = plain_token_step(p, cfg, attn, s, s.cache, path=engine.path)
             return nxt, same_step_again(s, cache)
 
         return jax.jit(decode, donate_argnums=1)
-    step = SpecStep(cfg, eos, attn, NgramDrafter(q_len - 1))
+    step = SpecStep(cfg, eos, attn, NgramDrafter(q_len - 1), engine.path)
 
     def verify(p, s, d):
         num = jnp.full((s.batch,), q_len - 1, jnp.int32)

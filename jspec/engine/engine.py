@@ -16,6 +16,11 @@ speculation) per burst from a cost model measured on this machine
 A decode burst runs on the running slots only, gathered into the smallest slot bucket
 (1, 2, 4, ... ``max_num_seqs``) that holds them (see :mod:`jspec.engine.runner`): at a low
 request rate one request pays for its own rows, not for every slot's.
+
+How the models run is chosen once, here (``LLMEngine.path``, a :class:`~jspec.models.path.ModelPath`
+the steps and the drafter carry): on the CPU kernels (:mod:`jspec.models.cpu_path`, with the
+parameters' packed copies where ``EngineConfig.small_row_weights`` keeps them) where the CPU
+small-row kernel applies, the plain modules elsewhere.
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ from jspec.engine.scheduler import Plan, Scheduler
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
 from jspec.loading.convert import quantized_drafter_weights
-from jspec.models.eagle import HEAD_PROJECTIONS
-from jspec.models.llama import Segment, small_rows_apply, with_small_row_weights
+from jspec.models import cpu_path
+from jspec.models.cpu_path import HEAD_PROJECTIONS, with_small_row_weights
+from jspec.models.llama import Segment
+from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
-from jspec.speculative.drafters import make_drafter
+from jspec.speculative.drafters import make_drafter, on_path
 from jspec.speculative.steps import PlainStep, SpecStep
 from jspec.timing import compile_seconds
 
@@ -94,9 +101,16 @@ CPU_STEP_OVERHEAD_TOKENS = 16
 
 class LLMEngine:
     @staticmethod
+    def _model_path(mc, device) -> ModelPath:
+        """How the steps and the drafter run the models, chosen once: on the CPU kernels
+        (:mod:`jspec.models.cpu_path`) where the small-row kernel applies (the CPU backend, a float32
+        model, the kernel built and tuned for this CPU), the plain modules elsewhere."""
+        return cpu_path.CPU if device.platform == "cpu" and cpu_path.small_rows_apply(mc.dtype) else PLAIN
+
+    @staticmethod
     def _small_row_weights(config: EngineConfig, mc, device) -> bool:
         """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
-        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and small_rows_apply(mc.dtype)
+        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and cpu_path.small_rows_apply(mc.dtype)
         if config.small_row_weights and not applies:
             log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, or "
                         "the kernel is not built); the engine runs without the copy", device.platform, mc.dtype)
@@ -144,7 +158,8 @@ class LLMEngine:
 
     def _place(self, attention: str, drafter, drafter_params):
         """(drafter, drafter params): the given drafter, or the one ``spec`` names; with
-        ``tensor_parallel_size`` > 1, ``self.model`` and the drafter sharded over ``self.mesh``."""
+        ``tensor_parallel_size`` > 1, ``self.model`` and the drafter sharded over ``self.mesh``; and
+        ``self.path``, how the steps and the drafter run the models, chosen once for the device."""
         tp = self.config.tensor_parallel_size
         if tp > 1:  # check the heads before anything is loaded or placed
             tp_config(self.model.config, tp)
@@ -156,20 +171,21 @@ class LLMEngine:
             self.model = sharded.shard_target(self.model, self.mesh)
             drafter, drafter_params = sharded.shard_drafter(drafter, drafter_params, one_device, self.model.config,
                                                             self.mesh)
-        self.drafter = drafter
-        return drafter, drafter_params
+        self.path = self._model_path(self.model.config, jax.local_devices()[0])
+        self.drafter = on_path(drafter, self.path)
+        return self.drafter, drafter_params
 
     def _build_steps(self, attention: str) -> None:
         """The steps ``step()`` picks from (plain, and speculative at each candidate k), the
         cost models that choose k per slot bucket, and the k of the step that carries prefill."""
         mc, drafter, k_max = self.model.config, self.drafter, self.k_max
         eos = tuple(mc.eos_token_ids)
-        self._steps = {0: PlainStep(mc, eos, attention, drafter)}
+        self._steps = {0: PlainStep(mc, eos, attention, drafter, self.path)}
         candidates = [0] if drafter is None else ([k_max] if not self.spec.dynamic_k else
                                                   sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
         for k in candidates:
             if k > 0:
-                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k))
+                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k), self.path)
         # a step's time depends on the rows it runs, so each bucket keeps its own measurements;
         # what finished requests accepted is the prior of every bucket's estimates
         self.acceptance = AcceptancePrior()

@@ -33,7 +33,7 @@ import numpy as np
 from jspec.loading import memory
 from jspec.config import ModelConfig
 from jspec.errors import CheckpointError
-from jspec.models.llama import projection_kernels
+from jspec.models.cpu_path import projection_kernels
 from pallas_kernels.cpu import small_rows
 
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -187,7 +187,7 @@ def quantized_weights(cfg: ModelConfig, get_blocks) -> dict[tuple[str, ...], np.
     ``("lm_head_rows",)`` (the LM head's rows [V, H]: the tied embedding, or ``lm_head``).
     ``get_blocks(hf_name) -> (qtype, uint8 [rows, row bytes]) | None`` (GGUFFile.blocks_getter).
     Empty for a model not in float32 (the kernel's dtype). The values are the dequantized
-    parameters' exactly; :func:`jspec.models.llama.with_small_row_weights` reads them."""
+    parameters' exactly; :func:`jspec.models.cpu_path.with_small_row_weights` reads them."""
     if jnp.dtype(cfg.dtype) != jnp.float32:
         return {}
     shapes = expected_hf_shapes(cfg)

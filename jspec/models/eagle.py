@@ -48,13 +48,7 @@ import jax.numpy as jnp
 from jspec import attention as attention_lib
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
-from jspec.models.llama import PROJECTIONS, DecoderLayer, DenseContext, Linear, RMSNorm, Segment, segment_meta
-
-
-# The head's projections, each a :class:`~jspec.models.llama.Linear` (``nn.Dense``'s parameters):
-# drafting runs them on a few rows, so the engine packs them for the CPU small-row kernel
-# (``with_small_row_weights(params, HEAD_PROJECTIONS)``) like the target's.
-HEAD_PROJECTIONS = PROJECTIONS + ("fuse", "fc")
+from jspec.models.llama import DecoderLayer, DenseContext, Linear, RMSNorm, Segment, segment_meta
 
 
 class HeadOutput(NamedTuple):
@@ -74,6 +68,8 @@ class EagleHead(nn.Module):
     config: ModelConfig  # the target's
     attention: str = "reference"
     num_features: int = 0  # 0: EAGLE-1; n: EAGLE-3 fusion of n target layers
+    linear_cls = Linear  # fuse and fc (jspec.models.cpu_path swaps in its own, as for the layer)
+    layer_cls = DecoderLayer
 
     @nn.compact
     def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
@@ -85,11 +81,11 @@ class EagleHead(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         b, t = embeds.shape[:2]
         if self.num_features and not fused:
-            prev = Linear(cfg.hidden_size, dtype=dtype, name="fuse")(rms_parts(prev.astype(embeds.dtype),
+            prev = self.linear_cls(cfg.hidden_size, dtype=dtype, name="fuse")(rms_parts(prev.astype(embeds.dtype),
                                                                               self.num_features))
-        x = Linear(cfg.hidden_size, use_bias=True, dtype=dtype, name="fc")(
+        x = self.linear_cls(cfg.hidden_size, use_bias=True, dtype=dtype, name="fc")(
             jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1))
-        layer = DecoderLayer(cfg, self.attention, name="layer")
+        layer = self.layer_cls(cfg, self.attention, name="layer")
         if isinstance(context, DenseContext):
             x, k, v = layer(x.reshape(b * t, -1), context, None, None)
             new_context = (k, v)
@@ -105,8 +101,8 @@ class EagleHead(nn.Module):
 
 
 @functools.lru_cache(maxsize=None)
-def _module(config: ModelConfig, attention: str, num_features: int = 0) -> EagleHead:
-    return EagleHead(config, attention_lib.resolve(attention), num_features)
+def _module(config: ModelConfig, attention: str, num_features: int = 0, head_cls: type = EagleHead) -> EagleHead:
+    return head_cls(config, attention_lib.resolve(attention), num_features)
 
 
 def num_features_of(head_params) -> int:
@@ -119,10 +115,12 @@ def num_features_of(head_params) -> int:
 
 
 def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKVCache, q_lens,
-                  attention: str = "reference", rows=None, fused: bool = False) -> HeadOutput:
-    """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`)."""
+                  attention: str = "reference", rows=None, fused: bool = False, *,
+                  head_cls: type = EagleHead) -> HeadOutput:
+    """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`). ``head_cls``:
+    :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``)."""
     with jax.named_scope("eagle_head"):
-        return _module(config, attention, num_features_of(head_params)).apply(
+        return _module(config, attention, num_features_of(head_params), head_cls).apply(
             {"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
 
 

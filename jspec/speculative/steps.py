@@ -10,6 +10,9 @@ starts decoding at the next step.
 
 The plain-token step is the autoregressive baseline and also the speculative step's branch for
 steps where no slot has a draft (n-gram lookup without a match, or every slot capped at 0).
+
+The target runs through the steps' ``path`` (:class:`~jspec.models.path.ModelPath`: the plain
+modules, or the CPU kernels' where the engine chose them), a static field like ``attention``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 
 from jspec import sampling as sampling_lib
 from jspec.config import ModelConfig
-from jspec.models.llama import Segment, forward_segments
+from jspec.models.llama import Segment
+from jspec.models.path import PLAIN, ModelPath
 from jspec.speculative.acceptance import greedy_accept, rejection_sample
 from jspec.speculative.control import cond_in_place
 from jspec.speculative.drafters.base import feature_layers
@@ -50,7 +54,8 @@ def sample_next(state: DecodeState, logits: jax.Array) -> jax.Array:
 
 
 def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeState, cache,
-                     prefill: Optional[Segment] = None, num_rows: int = 1, features: tuple[int, ...] = ()):
+                     prefill: Optional[Segment] = None, num_rows: int = 1, features: tuple[int, ...] = (),
+                     path: ModelPath = PLAIN):
     """One target forward over the last token of every running slot (and ``prefill``).
 
     Returns (cache, hidden [B, num_rows, F] (row 0 real, the rest zero padding), next token
@@ -59,9 +64,9 @@ def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeS
     """
     q_lens = (~state.done).astype(jnp.int32)
     segments = (Segment(last_tokens(state), q_lens),) + ((prefill,) if prefill is not None else ())
-    logits, hidden, cache = forward_segments(params, config, segments, cache, attention=attention,
-                                             logits_for=(True,) + (False,) * (len(segments) - 1),
-                                             feature_layers=features)
+    logits, hidden, cache = path.forward_segments(params, config, segments, cache, attention=attention,
+                                                  logits_for=(True,) + (False,) * (len(segments) - 1),
+                                                  feature_layers=features)
     nxt = sample_next(state, logits[0][:, 0])
     h = jnp.pad(hidden[0], ((0, 0), (0, num_rows - 1), (0, 0)))
     return cache, h, nxt, (hidden[1] if prefill is not None else None)
@@ -87,6 +92,7 @@ class PlainStep:
     eos_ids: tuple[int, ...]
     attention: str
     drafter: Any = None
+    path: ModelPath = PLAIN
 
     @property
     def k(self) -> int:
@@ -95,7 +101,8 @@ class PlainStep:
     def __call__(self, params, drafter_params, state: DecodeState, prefill: Optional[Segment] = None) -> DecodeState:
         running = ~state.done
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, state.cache,
-                                                          prefill, features=feature_layers(self.drafter))
+                                                          prefill, features=feature_layers(self.drafter),
+                                                          path=self.path)
         new = state.replace(cache=cache, steps=state.steps + 1, num_steps=state.num_steps + running)
         new = commit(new, nxt[:, None], running.astype(jnp.int32), self.eos_ids)
         if self.drafter is not None:
@@ -112,6 +119,7 @@ class SpecStep:
     eos_ids: tuple[int, ...]
     attention: str
     drafter: Any  # a hashable drafter (see jspec.speculative.drafters.base)
+    path: ModelPath = PLAIN
 
     @property
     def k(self) -> int:
@@ -169,8 +177,8 @@ class SpecStep:
             q_lens = jnp.where(state.done, 0, num + 1).astype(jnp.int32)
             inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
             segments = (Segment(inp, q_lens),) + ((prefill,) if prefill is not None else ())
-            logits, hidden, cache = forward_segments(params, self.config, segments, cache,
-                                                     attention=self.attention,
+            logits, hidden, cache = self.path.forward_segments(params, self.config, segments, cache,
+                                                               attention=self.attention,
                                                      logits_for=(True,) + (False,) * (len(segments) - 1),
                                                      feature_layers=feature_layers(self.drafter))
             logits = logits[0]  # [B, k + 1, V]
@@ -195,7 +203,7 @@ class SpecStep:
         """No drafts anywhere: one token from the target, as plain decoding would do."""
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, cache,
                                                           prefill, num_rows=self.drafter.k + 1,
-                                                          features=feature_layers(self.drafter))
+                                                          features=feature_layers(self.drafter), path=self.path)
         return cache, (hidden, jnp.zeros_like(nxt), nxt, pre_hidden)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
-from jspec.speculative.drafters.base import Proposal
+from jspec.speculative.drafters.base import Proposal, on_path
 from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.layerskip import LayerSkipDrafter
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -57,4 +57,5 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
     raise ConfigError(f"no drafter for spec method {spec.method!r}")
 
 
-__all__ = ["Proposal", "NgramDrafter", "LayerSkipDrafter", "DraftModelDrafter", "make_drafter", "check_same_vocab"]
+__all__ = ["Proposal", "NgramDrafter", "LayerSkipDrafter", "DraftModelDrafter", "make_drafter", "check_same_vocab",
+           "on_path"]

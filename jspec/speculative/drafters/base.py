@@ -24,23 +24,27 @@ prefilled chunk by chunk in the same steps as the target, and after each step ba
     catch_up(drafter_params, target_params, prev_state, state, hidden) -> state
         after a plain one-token step (no proposal ran): stay in step with the target
 
-Drafters with pages of their own also have ``cache_config``: the ModelConfig of those pages
-(for the engine's memory estimate). Drafters that read the target's hidden states may name
-which in ``feature_layers``: the residual stream after those target layers, concatenated (an
-EAGLE-3 head's low/middle/high features); without it (or empty) ``hidden`` is the target's
-final hidden state after its norm.
+Drafters that run a model (the target's first layers, a draft model, an EAGLE head) run it
+through their ``path`` field (:class:`~jspec.models.path.ModelPath`), which the engine sets to
+its own choice (:func:`on_path`). Drafters with pages of their own also have ``cache_config``:
+the ModelConfig of those pages (for the engine's memory estimate). Drafters that read the
+target's hidden states may name which in ``feature_layers``: the residual stream after those
+target layers, concatenated (an EAGLE-3 head's low/middle/high features); without it (or empty)
+``hidden`` is the target's final hidden state after its norm.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jspec import sampling as sampling_lib
 from jspec.cache.paged import PagedKVCache
-from jspec.models.llama import times_rows
+from jspec.models.path import PLAIN, ModelPath
 
 
 class Proposal(NamedTuple):
@@ -55,6 +59,18 @@ def feature_layers(drafter) -> tuple[int, ...]:
     """The target layers whose residual stream ``drafter`` reads as its ``hidden`` (() = the
     final hidden state; also for drafters that read none)."""
     return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def on_path(drafter, path: ModelPath):
+    """``drafter`` running its model on ``path``: its ``path`` field and its ``head``'s (a hybrid's
+    EAGLE head) replaced; a drafter without a model (or None) comes back as it is."""
+    if drafter is None or not dataclasses.is_dataclass(drafter):
+        return drafter
+    fields = {f.name for f in dataclasses.fields(drafter)}
+    changes = {"path": path} if "path" in fields else {}
+    if "head" in fields:
+        changes["head"] = on_path(drafter.head, path)
+    return dataclasses.replace(drafter, **changes) if changes else drafter
 
 
 class StatelessDrafter:
@@ -108,7 +124,7 @@ def sample_chain(step_fn, carry, first_logits: jax.Array, keys: jax.Array, k: in
     return drafts, logits, carry
 
 
-def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int) -> jax.Array:
+def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int, path: ModelPath = PLAIN) -> jax.Array:
     """Logits over the full vocabulary [B, V] from a head over a draft vocabulary.
 
     ``dparams["lm_head"]`` [V', H] holds the target's output embedding rows of the V' tokens
@@ -117,9 +133,9 @@ def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int) -> jax
     ``-inf``: never drafted, q = 0 there, which rejection sampling handles exactly (the target
     still emits them). ``dparams["lm_head_rows"]``, where the engine quantized the drafter
     (``jspec.loading.convert.quantized_drafter_weights``): the same rows as Q8_0 blocks, which the
-    CPU small-row kernel reads for a few rows instead.
+    CPU path's product (``path.times_rows``: the small-row kernel, for a few rows) reads instead.
     """
     head, vocab_ids = dparams["lm_head"], dparams["vocab_ids"]
-    small = times_rows(hidden, head, dparams.get("lm_head_rows"))  # [B, V'] (a few rows: the CPU small-row kernel)
+    small = path.times_rows(hidden, head, dparams.get("lm_head_rows"))  # [B, V']
     full = jnp.full((hidden.shape[0], vocab_size), -jnp.inf, jnp.float32)
     return full.at[:, vocab_ids].set(small)

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.llama import Segment, forward_segments
+from jspec.models.llama import Segment
+from jspec.models.path import PLAIN, ModelPath
 from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, sample_chain
 from jspec.speculative.state import DecodeState, step_keys
 
@@ -48,6 +49,7 @@ class DraftModelDrafter:
     config: ModelConfig  # the draft's
     attention: str = "reference"
     draft_vocab: bool = False
+    path: ModelPath = PLAIN
 
     @property
     def cache_config(self) -> ModelConfig:
@@ -63,12 +65,12 @@ class DraftModelDrafter:
     def _forward(self, dparams, tokens, cache, q_lens, row, rows=None):
         """Draft forward; logits [B, V] of row ``row`` [B] (full vocabulary, -inf outside the
         draft vocabulary), and the new cache."""
-        (logits,), (hidden,), cache = forward_segments(
+        (logits,), (hidden,), cache = self.path.forward_segments(
             self._model(dparams), self.config, (Segment(tokens, q_lens, rows),), cache,
             attention=self.attention, logits_for=(not self.draft_vocab,))
         if self.draft_vocab:
             h = jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0]
-            return draft_vocab_logits(h, dparams, self.config.vocab_size), cache
+            return draft_vocab_logits(h, dparams, self.config.vocab_size, self.path), cache
         return jnp.take_along_axis(logits, row[:, None, None], axis=1)[:, 0], cache
 
     def init_state(self, target_params, drafter_params, cache) -> DraftModelState:

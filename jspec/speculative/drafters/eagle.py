@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.eagle import eagle_forward
+from jspec.models.path import PLAIN, ModelPath
 from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, sample_chain
 from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
@@ -57,6 +57,7 @@ class EagleDrafter:
     config: ModelConfig  # the target's
     attention: str = "reference"
     feature_layers: tuple[int, ...] = ()  # () EAGLE-1: the target's final hidden state
+    path: ModelPath = PLAIN
 
     @property
     def feature_dim(self) -> int:
@@ -94,8 +95,9 @@ class EagleDrafter:
         hidden = hidden.astype(d.last_feature.dtype)
         old_last = jnp.take(d.last_feature, rows, axis=0, mode="clip")  # padding rows (past the end) clip
         prev = jnp.concatenate([old_last[:, None], hidden[:, :-1]], axis=1)  # f_{pos - 1}
-        head_cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, segment.tokens),
-                                   prev, self._view(d, cache), q_lens, self.attention, rows=rows).context
+        head_cache = self.path.eagle_forward(drafter_params["head"], self.config,
+                                             _embed(target_params, segment.tokens), prev, self._view(d, cache),
+                                             q_lens, self.attention, rows=rows).context
         last = jnp.take_along_axis(hidden, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
         last_feature = d.last_feature.at[rows].set(jnp.where((q_lens > 0)[:, None], last, old_last), mode="drop")
         # remember the feature at the last slot of each page this chunk completes
@@ -113,9 +115,9 @@ class EagleDrafter:
 
         def step(tok, carry):  # tok [B, 1]; carry = (cache, previous feature [B, F] or chained output [B, H])
             cache, feat = carry
-            out = eagle_forward(dparams["head"], c, _embed(target_params, tok), feat[:, None], cache, q_lens,
-                                self.attention, fused=fused)
-            logits = draft_vocab_logits(out.normed[:, 0], dparams, c.vocab_size)
+            out = self.path.eagle_forward(dparams["head"], c, _embed(target_params, tok), feat[:, None], cache,
+                                          q_lens, self.attention, fused=fused)
+            logits = draft_vocab_logits(out.normed[:, 0], dparams, c.vocab_size, self.path)
             return logits, (out.context, out.chained[:, 0])
 
         return step
@@ -157,8 +159,8 @@ class EagleDrafter:
         idx = jnp.minimum(base[:, None] + jnp.arange(m)[None, :], state.tokens.shape[1] - 1)
         toks = jnp.take_along_axis(state.tokens, idx, axis=1)
         view = self._view(d, state.cache, jnp.where(ran, base, d.lengths))
-        cache = eagle_forward(drafter_params["head"], self.config, _embed(target_params, toks),
-                              feats.astype(d.last_feature.dtype), view, todo, self.attention).context
+        cache = self.path.eagle_forward(drafter_params["head"], self.config, _embed(target_params, toks),
+                                        feats.astype(d.last_feature.dtype), view, todo, self.attention).context
         # the new last feature f_{seq_len - 2} sits at feats index seq_len - 1 - base
         new_last = jnp.take_along_axis(feats, jnp.clip(todo, 0, m - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where((ran & (state.seq_lens > prev_state.seq_lens))[:, None], new_last, d.last_feature)

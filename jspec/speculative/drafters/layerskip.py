@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.llama import forward
+from jspec.models.path import PLAIN, ModelPath
 from jspec.speculative.drafters.base import Proposal, StatelessDrafter, sample_chain
 from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
@@ -28,13 +28,14 @@ class LayerSkipDrafter(StatelessDrafter):
     config: ModelConfig  # the target's
     num_layers: int
     attention: str = "reference"
+    path: ModelPath = PLAIN
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         q_lens = (~state.done).astype(jnp.int32)
 
         def step(tok, cache):
-            out = forward(target_params, self.config, tok, cache, q_lens, attention=self.attention,
-                          num_layers=self.num_layers)
+            out = self.path.forward(target_params, self.config, tok, cache, q_lens, attention=self.attention,
+                                    num_layers=self.num_layers)
             return out.logits[:, -1], out.cache
 
         first, cache = step(last_tokens(state), state.cache)

@@ -72,7 +72,7 @@ def test_the_model_uses_each_kernel_only_on_cpus_it_is_tuned_for(monkeypatch, fl
     available at all, so a direct kernel call runs the reference too."""
     if not cpu_kernels.available():
         pytest.skip("no C++ compiler")
-    from jspec.models.llama import small_rows_apply
+    from jspec.models.cpu_path import small_rows_apply
 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: " + flags)
     if mode is None:

@@ -51,7 +51,7 @@ def test_the_product_equals_the_float_weights_bit_for_bit(qtype, n, k):
     x0 = jnp.zeros((1, k), jnp.float32)
     assert TARGET in f.lower(x0, w, n).as_text()
     rng = np.random.default_rng(k)
-    for m in (1, 2, 3, 5, 6, 9, 16, 20, 32):  # up to 32 rows on quantized weights (llama.QUANTIZED_KERNEL_ROWS)
+    for m in (1, 2, 3, 5, 6, 9, 16, 20, 32):  # up to 32 rows on quantized weights (cpu_path.QUANTIZED_KERNEL_ROWS)
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
         got = f(x, w, n)
         assert got.shape == (m, n)
