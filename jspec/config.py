@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import struct
 from typing import Optional
 
 from jspec.errors import ConfigError
@@ -34,6 +35,29 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32 (~1.18e-38)
+
+
+def _float(x) -> Optional[float]:
+    """x as a Python float, or None where it is not a real number a float can hold (a bool, a
+    string, an integer or fraction past 1.8e308)."""
+    if not _is_real(x):
+        return None
+    try:
+        return float(x)
+    except (OverflowError, ValueError, TypeError):
+        return None
+
+
+def float32(x: float) -> float:
+    """x as the device holds it (rounded to the nearest float32): +-inf past float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # rounds past FLOAT32_MAX
+        return math.copysign(math.inf, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +218,23 @@ class SamplingParams:
     - ``ignore_eos``: keep generating past the model's EOS tokens;
     - ``num_speculative_tokens``: this request's cap on drafts per step (0: no speculation;
       None: the engine's setting). A jspec extension.
+
+    The checks are those of the values the device computes with: temperature and top-p travel as
+    float32, top-k and token counts as int32, the seed as the two uint32 words of a threefry key.
+    So every accepted value has a defined result, never an empty candidate set or a NaN
+    distribution (:mod:`jspec.sampling`):
+
+    - ``temperature``: a finite number in [0, FLOAT32_MAX] (one that float32 rounds to infinity
+      is refused). One below float32's smallest normal number (``FLOAT32_TINY``, ~1.2e-38) is
+      stored as 0, greedy: the limit of softmax(logits / T) as T -> 0 is the argmax, and devices
+      disagree about subnormal numbers (XLA's CPU flushes them to zero). A larger one so small
+      that a row's largest logit over it leaves float32's range also samples that row greedily;
+    - ``top_p``: in (0, 1]; one that float32 rounds to 0 keeps the most likely token (and its
+      ties), as any top-p below that token's probability does (vLLM and Hugging Face keep at
+      least one token); one that rounds to 1 keeps every token;
+    - ``top_k``: an integer in [-1, 2^31 - 1]; 0 or -1 is off, and so is any k >= the vocabulary;
+    - ``seed``: an integer in [0, 2^63); ``max_tokens``: an integer in [1, 2^20];
+      ``num_speculative_tokens``: in [0, 16] or None; ``stop``: non-empty strings.
     """
 
     temperature: float = 0.0
@@ -206,9 +247,12 @@ class SamplingParams:
     num_speculative_tokens: Optional[int] = None
 
     def __post_init__(self):
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        t = _float(self.temperature)
+        if t is None or not 0 <= t < math.inf or math.isinf(float32(t)):
+            raise ConfigError(f"temperature must be a finite number in [0, {FLOAT32_MAX:.4g}] (float32), "
+                              f"got {self.temperature!r}")
+        p = _float(self.top_p)
+        if p is None or not 0 < p <= 1:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise ConfigError(f"top_k must be an integer in [-1, {INT32_MAX}] (0 or -1 = off), got {self.top_k!r}")
@@ -225,9 +269,12 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "temperature", 0.0 if float32(t) < FLOAT32_TINY else t)
+        object.__setattr__(self, "top_p", p)
         object.__setattr__(self, "top_k", max(0, int(self.top_k)))
+        for name in ("seed", "max_tokens", "num_speculative_tokens"):  # numpy integers -> int
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -8,9 +8,14 @@ every row).
 ``process_logits`` applies, in order, temperature, top-k and top-p (the order Hugging Face's
 ``generate`` and vLLM use) and returns float32 logits with removed tokens at ``-inf``.
 ``probs`` is its softmax: the distribution p (target) or q (draft) that speculative
-acceptance compares. Greedy rows (temperature 0) take the argmax and have no distribution;
-their "probs" are one-hot on the argmax, so the same acceptance code treats them as
-deterministic.
+acceptance compares. Greedy rows (:func:`greedy_rows`: temperature 0) take the argmax and have
+no distribution; their "probs" are one-hot on the argmax, so the same acceptance code treats
+them as deterministic.
+
+Every parameter :class:`~jspec.config.SamplingParams` accepts has a distribution here, never an
+empty kept set or a NaN: top-p keeps at least the most likely token (a top-p that float32 rounds
+to 0 keeps only it and its ties), and a row whose temperature is so small that its largest logit
+over it leaves float32's range is sampled greedily (the limit of softmax(logits / T) as T -> 0).
 """
 
 from __future__ import annotations
@@ -78,6 +83,16 @@ def _all_greedy(sp: Sampling):
     return None  # decided at run time
 
 
+def greedy_rows(logits: jax.Array, sp: Sampling) -> jax.Array:
+    """bool [...]: the rows of logits [..., V] drawn by argmax: temperature 0, and rows whose
+    largest logit over the temperature is not a finite float32 (a temperature so small that
+    logits / T overflows: softmax(logits / T) tends to one-hot on the argmax as T -> 0, where
+    the overflowed row would give NaN)."""
+    rs = _rows(sp, logits)
+    top = jnp.max(logits.astype(jnp.float32), axis=-1)
+    return rs.greedy | ~jnp.isfinite(top / jnp.where(rs.greedy, 1.0, rs.temperature))
+
+
 # Candidate counts of the sort-free path, smallest first: each level is one ``lax.top_k``; a
 # batch falls through to the next level (and finally to one full sort) only when some row's
 # kept set is not decided by its candidates. SmolLM2-135M sampling stories at temperature 0.8 /
@@ -88,7 +103,7 @@ SORT_BELOW = 4096  # vocabularies up to this size go straight to the full sort
 
 def process_logits(logits: jax.Array, sp: Sampling, *, levels: Optional[Sequence[int]] = None) -> jax.Array:
     """[..., V] -> float32 [..., V]: temperature, then top-k, then top-p (``-inf`` = removed).
-    Greedy rows come back unscaled and unfiltered.
+    Greedy rows (:func:`greedy_rows`) come back unscaled and unfiltered.
 
     The kept set is the full-sort definition (:func:`filter_sorted`): top-k keeps the values
     >= the k-th largest (ties with it stay), top-p then keeps, in descending order over what
@@ -104,10 +119,11 @@ def process_logits(logits: jax.Array, sp: Sampling, *, levels: Optional[Sequence
     v = x.shape[-1]
     small = levels is None and v <= SORT_BELOW  # sorts fast: one full sort, as before candidates
     levels = CANDIDATE_LEVELS if levels is None else levels
-    greedy = rs.greedy[..., None]
+    hot = greedy_rows(x, rs)  # [...]
+    greedy = hot[..., None]
     x = jnp.where(greedy, x, x / jnp.where(greedy, 1.0, rs.temperature[..., None]))
-    top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v) & ~rs.greedy, rs.top_k, 0)
-    top_p = jnp.where(rs.greedy, 1.0, rs.top_p)
+    top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v) & ~hot, rs.top_k, 0)
+    top_p = jnp.where(hot, 1.0, rs.top_p)
     if isinstance(sp, SamplingParams) and not (0 < sp.top_k < v) and sp.top_p >= 1.0:
         return x  # nothing to filter, known at trace time
 
@@ -165,7 +181,8 @@ def filter_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array, ordered_sums
 
 def _top_p_cutoff(desc: jax.Array, x: jax.Array, kth: jax.Array, top_p: jax.Array, ordered_sums: bool = True):
     """Top-p over what top-k left: keep the smallest prefix whose mass reaches top_p (a token
-    goes when its predecessors already hold >= top_p; the first token always stays).
+    goes when its predecessors already hold >= top_p; the first token always stays, even for a
+    top_p of 0, as in vLLM and Hugging Face).
 
     desc [..., n]: the n largest of x [..., V] in descending order, top-k's removals at
     ``-inf`` (n = V: the whole sorted row); kth [..., 1]: top-k's threshold (``-inf`` = off).
@@ -182,7 +199,8 @@ def _top_p_cutoff(desc: jax.Array, x: jax.Array, kth: jax.Array, top_p: jax.Arra
     else:
         mass = jnp.cumsum(p, axis=-1)
         before, mass = mass - p, mass[..., -1]
-    keep = (before < top_p[..., None]) & (desc > -jnp.inf)
+    first = jnp.arange(desc.shape[-1]) == 0
+    keep = ((before < top_p[..., None]) | first) & (desc > -jnp.inf)
     cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(top_p[..., None] < 1.0, cutoff, kth), mass
 
@@ -215,8 +233,7 @@ def probs(logits: jax.Array, sp: Sampling) -> jax.Array:
     onehot = jax.nn.one_hot(argmax(logits), v, dtype=jnp.float32)
     if _all_greedy(sp) is True:
         return onehot
-    rs = _rows(sp, logits)
-    return jnp.where(rs.greedy[..., None], onehot, jax.nn.softmax(process_logits(logits, sp), axis=-1))
+    return jnp.where(greedy_rows(logits, sp)[..., None], onehot, jax.nn.softmax(process_logits(logits, sp), axis=-1))
 
 
 def sample(key: jax.Array, logits: jax.Array, sp: Sampling) -> jax.Array:
@@ -234,7 +251,7 @@ def sample(key: jax.Array, logits: jax.Array, sp: Sampling) -> jax.Array:
         else:
             tok = jax.vmap(categorical)(
                 key.reshape(-1), x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
-        return jnp.where(rs.greedy, best, tok.astype(jnp.int32))
+        return jnp.where(greedy_rows(logits, rs), best, tok.astype(jnp.int32))
 
     if _all_greedy(sp) is False:
         return draw(None)

@@ -21,6 +21,14 @@ How the models run is chosen once, here (``LLMEngine.path``, a :class:`~jspec.mo
 the steps and the drafter carry): on the CPU kernels (:mod:`jspec.models.cpu_path`, with the
 parameters' packed copies where ``EngineConfig.small_row_weights`` keeps them) where the CPU
 small-row kernel applies, the plain modules elsewhere.
+
+**A request's failure is that request's.** A fault in one request's host-side work (writing its
+slot, detokenizing, stop strings, building its output) finishes that request alone, with finish
+reason ``"error"`` and the message in ``RequestOutput.error``, its pages freed. A fault of a
+device call (a slot write or a burst), which no one request can be blamed for, finishes every
+request holding a slot the same way; the device state is rebuilt when the call consumed it (its
+buffers are donated), and the waiting requests run on it. Both are logged with the request ids;
+``step()`` itself raises only on what it cannot recover from.
 """
 
 from __future__ import annotations
@@ -228,8 +236,11 @@ class LLMEngine:
         return params, drafter_params
 
     def _build_runner(self, params, drafter_params) -> Runner:
-        """The decode state of every slot (built straight into its shardings on a mesh) and
-        the runner of the jitted calls on it."""
+        """The decode state of every slot and the runner of the jitted calls on it."""
+        return Runner(params, drafter_params, self._initial_state(params, drafter_params), self.layout.buffer_len)
+
+    def _initial_state(self, params, drafter_params):
+        """Every slot empty (built straight into its shardings on a mesh)."""
         layout, mc, drafter = self.layout, self.model.config, self.drafter
 
         def make(params, dparams):
@@ -237,9 +248,8 @@ class LLMEngine:
                                      layout.page_size, layout.k_max, drafter, params, dparams,
                                      cache_dtype=jnp.dtype(layout.cache_dtype))
 
-        state = (make(params, drafter_params) if self.mesh is None else
-                 sharded.build_state(make, self.mesh, drafter, params, drafter_params))
-        return Runner(params, drafter_params, state, layout.buffer_len)
+        return (make(params, drafter_params) if self.mesh is None else
+                sharded.build_state(make, self.mesh, drafter, params, drafter_params))
 
     # the layout's numbers the engine reads most (EngineLayout has the rest)
     @property
@@ -365,24 +375,32 @@ class LLMEngine:
         return self.k_max if k is None else min(k, self.k_max)
 
     def step(self) -> list[RequestOutput]:
-        """Run one burst; returns the outputs of requests that got new tokens or finished."""
+        """Run one burst; returns the outputs of requests that got new tokens or finished
+        (failed ones too: finish reason ``"error"``, see the module docstring)."""
         if not self.scheduler.has_work():
             return []
         plan = self.scheduler.plan(self._choose_k())
-        self._apply_slot_changes()
-        if not self.scheduler.running and plan.prefill is None:
-            return []
-        slots = self._burst_slots() if plan.prefill is None else None
-        t0 = time.perf_counter()
-        step = self._steps[self._step_k(plan)]
-        caps = self._spec_caps(plan.k)
-        snap = self.runner.burst(step, self.scheduler.tables(), caps, self._segment(plan),
-                                 plan.num_steps, plan.stop_on_finish, slots)
+        failed: list[RequestOutput] = []
+        try:
+            self._apply_slot_changes(failed)
+            if not self.scheduler.running and plan.prefill is None:
+                return failed
+            slots = self._burst_slots() if plan.prefill is None else None
+            t0 = time.perf_counter()
+            step = self._steps[self._step_k(plan)]
+            caps = self._spec_caps(plan.k)
+            snap = self.runner.burst(step, self.scheduler.tables(), caps, self._segment(plan),
+                                     plan.num_steps, plan.stop_on_finish, slots)
+        except BaseException as e:  # an interrupt too: the state is made whole before it goes on
+            failed += self._device_failed(e)
+            if not isinstance(e, Exception):
+                raise
+            return failed
         t1 = time.perf_counter()
         bucket = len(self.scheduler.slots) if slots is None else len(slots)
         self.stats.bursts += 1
         self.stats.bursts_by_slots[bucket] += 1
-        return self._collect(plan, snap, caps, t0, t1, bucket)
+        return failed + self._collect(plan, snap, caps, t0, t1, bucket)
 
     def _step_k(self, plan: Plan) -> int:
         """The k of the step a burst runs: a burst carrying prefill chunks runs the prefill step."""
@@ -395,21 +413,31 @@ class LLMEngine:
         idle = sorted(set(range(len(self.scheduler.slots))) - set(live))
         return np.asarray(live + idle[:self._bucket(len(live)) - len(live)], np.int32)
 
-    def _apply_slot_changes(self) -> None:
+    def _apply_slot_changes(self, failed: list[RequestOutput]) -> None:
+        """Tell the device of released slots and admitted requests; an admitted request whose
+        slot contents cannot be built fails alone (its output appended to ``failed``)."""
         s = self.scheduler
         for slot in s.released:
             self.runner.release(slot)
         s.released.clear()
         tables = s.tables()
-        for r in s.admitted:
+        admitted, s.admitted = s.admitted, []
+        for r in admitted:
+            if r.status is Status.FINISHED:  # aborted since it was admitted (a step cut short)
+                continue
             now = time.perf_counter()
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = now
-            r.base = dataclasses.replace(r.metrics, num_accepted_tokens_per_pos=list(r.metrics.num_accepted_tokens_per_pos),
-                                         num_draft_tokens_per_pos=list(r.metrics.num_draft_tokens_per_pos))
-            self.runner.set_slot(self.drafter, slot_update(r.slot, r.all_ids, tables[r.slot], r.max_len, r.computed,
-                                                           r.params, r.seed, self._cap(r), self.buffer_len))
-        s.admitted.clear()
+            try:
+                r.base = dataclasses.replace(r.metrics,
+                                             num_accepted_tokens_per_pos=list(r.metrics.num_accepted_tokens_per_pos),
+                                             num_draft_tokens_per_pos=list(r.metrics.num_draft_tokens_per_pos))
+                update = slot_update(r.slot, r.all_ids, tables[r.slot], r.max_len, r.computed, r.params, r.seed,
+                                     self._cap(r), self.buffer_len)
+            except Exception as e:
+                failed.append(self._fail(r, e))
+                continue
+            self.runner.set_slot(self.drafter, update)
 
     def _spec_caps(self, k: int) -> np.ndarray:
         caps = np.zeros((len(self.scheduler.slots),), np.int32)
@@ -426,51 +454,104 @@ class LLMEngine:
         q_lens = np.zeros((pf.rows,), np.int32)
         rows = np.full((pf.rows,), len(self.scheduler.slots), np.int32)  # padding rows: past the last slot
         for i, c in enumerate(pf.chunks):
+            if c.request.status is Status.FINISHED:  # failed at admission: its row stays padding
+                continue
             tokens[i, :c.length] = c.request.all_ids[c.start:c.start + c.length]
             q_lens[i], rows[i] = c.length, c.request.slot
         return Segment(tokens, q_lens, rows)
 
     def _collect(self, plan: Plan, snap, caps: np.ndarray, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
         """``caps``: the k each slot's steps ran at in this burst."""
-        now = t1
         outputs, texts = [], []
-        ran_k = self._step_k(plan)  # the step that ran (plain: 0)
         if plan.prefill is not None:
             for c in plan.prefill.chunks:
-                self.scheduler.prefilled(c.request, c.length)
+                if c.request.status is not Status.FINISHED:
+                    outputs += self._isolated(c.request, self.scheduler.prefilled, c.request, c.length)
         for slot, r in enumerate(list(self.scheduler.slots)):
-            if r is None or r.status is not Status.RUNNING:
-                continue
-            before = len(r.all_ids)
-            new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
-            drafts_before, steps_before = r.metrics.num_drafts, r.metrics.num_steps
-            self._update_counters(r, snap, slot)
-            self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
-            if caps[slot] > 0 and ran_k > 0:
-                r.spec_steps += r.metrics.num_steps - steps_before
-            if new:
-                if r.metrics.first_token_time is None:
-                    r.metrics.first_token_time = now
-                r.metrics.last_token_time = now
-                r.output_ids.extend(new)
-                r.metrics.num_output_tokens = len(r.output_ids)
-            finished = bool(snap.done[slot])
-            if new or finished:
-                stop_hit = self._detokenize(r, before - len(r.prompt_ids))
-                if stop_hit:
-                    self.scheduler.finish(r, device_running=not finished)
-                elif finished:
-                    r.finish_reason = "stop" if snap.eos_hit[slot] else "length"
-                    self.scheduler.finish(r, device_running=False)
-                if r.status is Status.FINISHED:
-                    r.metrics.finished_time = now
-                    self._finished(r)
-                    texts.append(r.prompt_ids + r.output_ids)
-                outputs.append(r.to_output())
+            if r is not None and r.status is Status.RUNNING:
+                outputs += self._isolated(r, self._collect_one, r, slot, plan, snap, caps, t1, texts)
         if texts and getattr(self.drafter, "history", 0):
-            self.runner.drafter_params = self.drafter.remember(self.runner.drafter_params, texts)
+            try:  # the lookup history only feeds drafts: without it the outputs are the same
+                self.runner.drafter_params = self.drafter.remember(self.runner.drafter_params, texts)
+            except Exception:
+                log.exception("the lookup history could not take finished requests' text; it goes on without it")
         self._observe_cost(plan, snap, t0, t1, bucket)
         return outputs
+
+    def _isolated(self, r: Request, fn, *args) -> list[RequestOutput]:
+        """``fn(*args)``, a piece of ``r``'s host-side work, returning ``r``'s output or None;
+        if it raises, ``r`` fails alone. The outputs to hand back: none or one."""
+        try:
+            out = fn(*args)
+        except Exception as e:
+            out = self._fail(r, e)
+        return [] if out is None else [out]
+
+    def _collect_one(self, r: Request, slot: int, plan: Plan, snap, caps: np.ndarray, now: float,
+                     texts: list[list[int]]) -> Optional[RequestOutput]:
+        """Request ``r``'s new tokens, counters, text, stop strings and finish from the snapshot;
+        its output if it got new tokens or finished."""
+        ran_k = self._step_k(plan)  # the step that ran (plain: 0)
+        before = len(r.all_ids)
+        new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
+        drafts_before, steps_before = r.metrics.num_drafts, r.metrics.num_steps
+        self._update_counters(r, snap, slot)
+        self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
+        if caps[slot] > 0 and ran_k > 0:
+            r.spec_steps += r.metrics.num_steps - steps_before
+        if new:
+            if r.metrics.first_token_time is None:
+                r.metrics.first_token_time = now
+            r.metrics.last_token_time = now
+            r.output_ids.extend(new)
+            r.metrics.num_output_tokens = len(r.output_ids)
+        finished = bool(snap.done[slot])
+        if new or finished:
+            stop_hit = self._detokenize(r, before - len(r.prompt_ids))
+            if stop_hit:
+                self.scheduler.finish(r, device_running=not finished)
+            elif finished:
+                r.finish_reason = "stop" if snap.eos_hit[slot] else "length"
+                self.scheduler.finish(r, device_running=False)
+            if r.status is Status.FINISHED:
+                r.metrics.finished_time = now
+                self._finished(r)
+                texts.append(r.prompt_ids + r.output_ids)
+            return r.to_output()
+        return None
+
+    def _fail(self, r: Request, e: BaseException, alone: bool = True) -> RequestOutput:
+        """Finish ``r`` with finish reason "error" for ``e``: its pages freed, its slot released
+        (the device stops it, whatever it was doing). ``alone``: its own fault, logged here with
+        its id and the traceback (a device fault is logged once for all its requests)."""
+        if alone:
+            log.error("request %s failed (%s: %s); the others go on", r.request_id, type(e).__name__, e, exc_info=e)
+        first = r.status is not Status.FINISHED
+        if first:
+            self.scheduler.finish(r, device_running=True)
+        r.finish_reason, r.stop_reason, r.error = "error", None, f"{type(e).__name__}: {e}"
+        if first:
+            r.metrics.finished_time = time.perf_counter()
+            self._finished(r)
+        return r.to_output()
+
+    def _device_failed(self, e: BaseException) -> list[RequestOutput]:
+        """A device call failed (or was interrupted) and no one request can be blamed: every
+        request holding a slot fails, and the device state is rebuilt when the call consumed it
+        (its donated buffers deleted, or holding the failed call's results), the prefix cache's
+        pages with it. The waiting requests stay queued; the engine serves on."""
+        held = [r for r in self.scheduler.slots if r is not None]
+        log.error("a device call failed (%s: %s); failing the requests holding slots: %s", type(e).__name__, e,
+                  [r.request_id for r in held], exc_info=e)
+        outs = [self._fail(r, e, alone=False) for r in held]
+        self.scheduler.admitted.clear()
+        if not self.runner.usable():
+            self.scheduler.released.clear()  # the new state's slots are all empty
+            self.runner.state = None  # let the old buffers go before the new ones are allocated
+            self.runner.state = self._initial_state(self.runner.params, self.runner.drafter_params)
+            self._last_steps = 0
+            self.allocator.reset_prefix_cache()  # no page is held now
+        return outs
 
     def _observe_cost(self, plan: Plan, snap, t0: float, t1: float, bucket: int) -> None:
         steps, self._last_steps = int(snap.steps) - self._last_steps, int(snap.steps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Sequence
 
-from jspec.config import CacheConfig, EngineConfig, SamplingParams, SpecConfig
+from jspec.config import MAX_SEED, CacheConfig, EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, Prompt, encode_prompt
 from jspec.engine.layout import batched_tokens, fit_max_model_len, full_pool_tokens
 from jspec.errors import ConfigError, PromptError
@@ -143,7 +143,8 @@ def run_requests(engine: LLMEngine, ids: Sequence[list[int]], sampling: Sampling
     are reused) to the end; one :class:`GenerationResult`. The engine keeps what it learned
     (prefix cache, lookup history, cost model)."""
     b = len(ids)
-    seeds = [(sampling.seed or 0) + i for i in range(b)] if seeds is None else list(seeds)
+    # seed + i, wrapped into the seeds' range (a seed near 2^63 - 1 stays valid for every prompt)
+    seeds = [((sampling.seed or 0) + i) % (MAX_SEED + 1) for i in range(b)] if seeds is None else list(seeds)
     k = engine.k_max
     reqs = [engine.add_request(str(i), p, dataclasses.replace(sampling, seed=seeds[i])) for i, p in enumerate(ids)]
     watch = Stopwatch()  # compilation (first call of each jitted function) is timed apart

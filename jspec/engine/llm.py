@@ -15,6 +15,11 @@
 all or one per prompt, and returns one :class:`RequestOutput` per prompt in order. For
 streaming, ``llm.stream(...)`` yields outputs as tokens arrive, and ``llm.engine`` offers
 ``add_request`` / ``step()`` / ``abort_request``.
+
+A prompt whose request fails in the engine comes back finished with finish reason ``"error"``
+(and ``RequestOutput.error``) while the others complete (:mod:`jspec.engine.engine`). If a call
+is cut short (an exception ``step()`` raises, an interrupt, a stream the caller stops reading),
+its unfinished requests are aborted, so the engine is left idle and ready for the next call.
 """
 
 from __future__ import annotations
@@ -122,22 +127,31 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        outs = [done[rid] for rid in ids]
+            self._forget(ids)
+        return [done[rid] for rid in ids]
+
+    def _forget(self, ids) -> None:
+        """Abort what is unfinished of ``ids`` (a call cut short) and drop their records."""
         for rid in ids:
+            if self.engine.requests.get(rid) is not None:
+                self.engine.abort_request(rid)
             self.engine.requests.pop(rid, None)
-        return outs
 
     def stream(self, prompts, sampling_params=None, *, chat: bool = False) -> Iterator[RequestOutput]:
         """Yield each request's output whenever it has new tokens (the final one has
         ``finished`` True); ``outputs[0].token_ids`` holds only the new tokens."""
         ids = set(self._add(prompts, sampling_params, chat))
         remaining = set(ids)
-        for outs in self.engine.step_until_done(until=lambda: not remaining):
-            for out in outs:
-                if out.request_id in ids:
-                    r = self.engine.requests[out.request_id]
-                    yield r.to_output(incremental=True)
-                    r.emitted = len(r.output_ids)
-                    if out.finished:
-                        remaining.discard(out.request_id)
-                        self.engine.requests.pop(out.request_id, None)
+        try:
+            for outs in self.engine.step_until_done(until=lambda: not remaining):
+                for out in outs:
+                    if out.request_id in ids:
+                        r = self.engine.requests[out.request_id]
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                            self.engine.requests.pop(out.request_id, None)
+                        inc = r.to_output(incremental=True)
+                        r.emitted = len(r.output_ids)
+                        yield inc
+        finally:  # the caller stopped reading, or a step raised: nothing of this call is left behind
+            self._forget(remaining)

@@ -71,7 +71,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length", "abort"
+    # "stop" (EOS or a stop string), "length", "abort", "error" (this request failed: RequestOutput.error)
+    finish_reason: Optional[str] = None
     stop_reason: Optional[str] = None  # the stop string that matched, if any
 
 
@@ -83,6 +84,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: Optional[str] = None  # why the request failed (finish reason "error"), else None
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +103,7 @@ class Request:
     text: str = ""
     finish_reason: Optional[str] = None
     stop_reason: Optional[str] = None
+    error: Optional[str] = None  # set with finish reason "error"
     slot: Optional[int] = None
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in the cache (host view: prefix hit + prefill)
@@ -128,7 +131,7 @@ class Request:
         done = self.status is Status.FINISHED
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
                              [CompletionOutput(0, self.text, ids, self.finish_reason if done else None,
-                                               self.stop_reason)], done, self.metrics)
+                                               self.stop_reason)], done, self.metrics, self.error)
 
 
 @dataclasses.dataclass

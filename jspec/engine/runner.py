@@ -172,12 +172,27 @@ def _key_data(seed: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class Runner:
-    """Holds the device state and the parameters; every method is one jitted call."""
+    """Holds the device state and the parameters; every method but ``usable`` is one jitted call."""
 
     params: Any
     drafter_params: Any
     state: DecodeState
     buffer_len: int
+
+    def usable(self) -> bool:
+        """Whether the state can still be used after a call on it failed: not donated away to
+        the failed call (deleted), not the failed computation's result (which raises when read),
+        not dropped (None)."""
+        if self.state is None:
+            return False
+        try:
+            leaves = jax.tree_util.tree_leaves(self.state)
+            if any(x.is_deleted() for x in leaves if isinstance(x, jax.Array)):
+                return False
+            jax.block_until_ready(leaves)
+        except Exception:
+            return False
+        return True
 
     def set_slot(self, drafter, update: SlotUpdate) -> None:
         self.state = set_slot(drafter, self.state, update)
