@@ -51,7 +51,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """``name{labels}`` -> value of every sample in ``/metrics`` (labels other than model_name kept)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
         out = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

@@ -120,8 +120,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _quiet()
 
     def run() -> int:
-        args = build_parser().parse_args(argv)
-        return args.func(args)
+        startup = None
+        if list(sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+            from jspec.server.startup import StartupSignals
+
+            startup = StartupSignals.install()  # before the parser imports JAX: SIGTERM exits 0 from here on
+        try:
+            args = build_parser().parse_args(argv)
+            return args.func(args)
+        finally:
+            if startup is not None:
+                startup.close()
 
     return guard.run(run)
 

@@ -8,8 +8,10 @@ Checks run before anything slow, in the order of ``jspec generate``: the options
 ranges, the speculative config, the API key), then the address (the socket is bound before the
 model loads, so a busy port is one line on stderr and exit 2), then the model's config against
 ``--max-model-len``, then the weights load, the engine compiles every step variant (unless
-``--no-warmup``), and only then does the server answer: ``/health`` returning 200 means ready.
-SIGTERM drains and exits 0 (:mod:`jspec.server.serve`); Ctrl-C exits 130.
+``--no-warmup``), and only then does the socket listen: while loading, connections are refused
+(not left hanging), and once one is accepted the server answers; ``/health`` returning 200 means
+ready. SIGTERM at any moment of start-up exits 0; while serving it drains, for at most
+``--drain-timeout`` seconds, and exits 0 (:mod:`jspec.server.serve`); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import socket
 import sys
 
 from jspec.cli.numerics_args import add_numerics_arguments
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
+from jspec.server.limits import Limits
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when --max-model-len is not given (capped by the model's context)
 
@@ -48,7 +50,20 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
     s.add_argument("--max-burst-steps", type=int, default=8,
                    help="engine steps per device call; fewer = new requests join sooner (default 8)")
     s.add_argument("--api-key", default=os.environ.get("JSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JSPEC_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and /openapi.json (default: "
+                        "$JSPEC_API_KEY, else none)")
+    s.add_argument("--public-metrics", action="store_true", help="leave /metrics open when --api-key is set")
+    s.add_argument("--max-waiting-requests", type=int, default=Limits().max_waiting_requests,
+                   help=f"requests queued for a slot before new ones get 429 with Retry-After (default "
+                        f"{Limits().max_waiting_requests}; 0 = no bound)")
+    s.add_argument("--drain-timeout", type=float, default=Limits().drain_timeout,
+                   help=f"SIGTERM: seconds requests in flight get to finish before they are aborted and the "
+                        f"server exits (default {Limits().drain_timeout:g})")
+    s.add_argument("--body-timeout", type=float, default=Limits().body_timeout,
+                   help=f"seconds for a request body to arrive, else 408 (default {Limits().body_timeout:g})")
+    s.add_argument("--header-timeout", type=float, default=Limits().header_timeout,
+                   help=f"seconds for a request's headers to arrive, else the connection is closed (default "
+                        f"{Limits().header_timeout:g})")
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--attention", default="auto", choices=[a for a in attention_choices if a != "interpret"])
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -95,6 +110,12 @@ def serve_options(args):
             raise ConfigError("--api-key must be a non-empty string without spaces")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("--served-model-name is empty")
+    if args.max_waiting_requests < 0:
+        raise ConfigError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    for name in ("drain_timeout", "body_timeout", "header_timeout"):
+        v = getattr(args, name)
+        if not (v > 0 and v < 1e6):  # NaN too
+            raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds in (0, 1e6), got {v}")
     for name in ("max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -120,7 +141,8 @@ def serve_options(args):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); OSError (a busy port, an unknown host) is bad input."""
+    """A socket bound to (host, port), not yet listening (it listens once the server is ready:
+    until then connections are refused); OSError (a busy port, an unknown host) is bad input."""
     from jspec.errors import ConfigError
 
     try:
@@ -132,7 +154,6 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
@@ -140,11 +161,47 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _startup_sigterm(signum, frame):  # before the server runs there is nothing to drain
-    raise SystemExit(0)
+def listen(sock: socket.socket) -> None:
+    from jspec.errors import ConfigError
+
+    try:
+        sock.listen(2048)
+    except OSError as e:  # the port was taken while the model loaded
+        host, port = sock.getsockname()[:2]
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def _return_freed_memory() -> None:
+    """Serve large allocations from mmap and give them back when freed: glibc otherwise raises
+    its mmap threshold after the first large free, and a refused multi-megabyte body would then
+    stay in the heap for good. A no-op where glibc's mallopt is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB, fixed
+    except (OSError, AttributeError):
+        pass
 
 
 def cmd_serve(args) -> int:
+    from jspec.server import startup as startup_signals
+
+    # a SIGTERM from here (or from main(), which installs it before building the parser) until
+    # the server runs exits 0
+    startup = startup_signals.active()
+    own = startup is None
+    if own:
+        startup = startup_signals.StartupSignals.install()
+    try:
+        return _checked_serve(args, startup)
+    finally:
+        if own and startup is not None:
+            startup.close()
+
+
+def _checked_serve(args, startup) -> int:
     from jspec.errors import ConfigError
 
     try:
@@ -156,15 +213,13 @@ def cmd_serve(args) -> int:
                           "pip install fastapi uvicorn prometheus_client") from None
     spec, config = serve_options(args)
     sock = bind(args.host, args.port)
-    previous = signal.signal(signal.SIGTERM, _startup_sigterm)
     try:
-        return _serve(args, spec, config, sock)
+        return _serve(args, spec, config, sock, startup)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         sock.close()
 
 
-def _serve(args, spec, config, sock) -> int:
+def _serve(args, spec, config, sock, startup) -> int:
     from jspec.cli import enable_compile_cache
     from jspec.engine.engine import LLMEngine
     from jspec.errors import CheckpointError, ConfigError
@@ -173,6 +228,7 @@ def _serve(args, spec, config, sock) -> int:
     from jspec.server.app import create_app
     from jspec.server.worker import EngineWorker
 
+    check = startup.check if startup is not None else (lambda: None)
     checkpoint = open_checkpoint(args.model, dtype=args.dtype)
     check_tp_fits(args, checkpoint.config)
     context = checkpoint.config.max_position_embeddings
@@ -181,20 +237,28 @@ def _serve(args, spec, config, sock) -> int:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
     config = dataclasses.replace(config, max_model_len=max_model_len, kv_cache_tokens=args.kv_cache_tokens)
     enable_compile_cache()
+    _return_freed_memory()
     model = checkpoint.load()
+    check()
     if model.tokenizer is None:
         raise CheckpointError(f"{model.source}: no tokenizer (tokenizer.json): the server takes text")
     engine = LLMEngine(model, config, spec)
+    check()
     name = args.served_model_name or args.model
     if not args.no_warmup:
         print(f"jspec serve: compiling the engine's step variants ({len(engine.prefill_shapes)} prefill "
               f"shape(s), decode at slot buckets {', '.join(map(str, engine.buckets))})...", file=sys.stderr,
               flush=True)
         engine.warmup()
-    app = create_app(EngineWorker(engine), name, api_key=args.api_key)
+        check()
+    limits = Limits(max_waiting_requests=args.max_waiting_requests or None, body_timeout=args.body_timeout,
+                          header_timeout=args.header_timeout, drain_timeout=args.drain_timeout,
+                          public_metrics=args.public_metrics)
+    app = create_app(EngineWorker(engine), name, api_key=args.api_key, limits=limits)
     host, port = sock.getsockname()[:2]
     what = (f"{spec.method} k={spec.num_speculative_tokens}{' (dynamic)' if spec.dynamic_k else ''}"
             if spec.enabled else "no speculation")
     print(f"jspec serve: {name} ({what}, {config.max_num_seqs} slots, max_model_len {max_model_len}) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    return server.run(app, sock, log_level=args.log_level)
+    listen(sock)
+    return server.run(app, sock, log_level=args.log_level, startup=startup)

@@ -5,24 +5,36 @@ Handlers only validate, hand the request to the engine thread and await their ow
 queue; they never call the engine. Every error reaches the client as an OpenAI error object
 (``{"error": {"message", "type", "param", "code"}}``): 400 for bad input (invalid JSON, a field
 of the wrong type, an out-of-range value, a prompt that does not fit, an unknown model), 401
-without the API key, 404 for an unknown route, 503 while draining or after an engine failure.
+without the API key, 404 for an unknown route, 408 for a body that does not arrive in time, 413
+for one too large, 429 past the waiting-queue bound, 500 for a request the engine failed (that
+request alone), 503 while draining.
 
 A client that disconnects (streaming or not) has its requests aborted at once: the response
 listens for ``http.disconnect`` while it waits for tokens, so the pages are freed within a
 burst, not at the next write. While draining (SIGTERM, see :mod:`jspec.server.serve`) requests
 in flight run to the end and new ones get 503.
+
+Work is bounded before it is accepted (:class:`Limits`): the body must arrive within
+``body_timeout`` (408 otherwise); a text prompt longer than ``max_model_len`` times the
+tokenizer's longest token, in characters, cannot fit and is refused before it is tokenized;
+prompts are tokenized on a thread of their own, never on the engine's, and one that does not fit
+the context is refused there (400), so the engine never sees it; past ``max_waiting_requests``
+queued requests a new one gets 429 with ``Retry-After``. With an API key, ``/metrics`` and
+``/openapi.json`` need it too (unless ``public_metrics``); ``/health`` never does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import hmac
 import json
+import math
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 import anyio
 import pydantic
@@ -33,8 +45,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jspec.errors import JspecError
 from jspec.server import protocol as api
+from jspec.server.limits import Limits
 from jspec.server.metrics import CONTENT_TYPE, ServerMetrics
-from jspec.server.worker import EngineWorker, Event, Submission
+from jspec.server.worker import EngineWorker, Event, Submission, prompt_ids
 
 
 @dataclasses.dataclass
@@ -44,23 +57,45 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     api_key: Optional[str] = None
+    limits: Limits = Limits()
+    max_prompt_chars: Optional[int] = None  # longer text cannot fit max_model_len tokens
+    tokenize_pool: Optional[concurrent.futures.Executor] = None
+    rejected: dict = dataclasses.field(default_factory=dict)  # requests refused before the engine, by reason
     draining: bool = False
     inflight: int = 0  # generation requests past the gate and not yet answered
 
 
+def longest_token_bytes(tokenizer) -> Optional[int]:
+    """UTF-8 bytes of the tokenizer's longest vocabulary entry (special tokens included): no
+    token covers more characters of a text than that, so a text of more than ``n`` times as
+    many characters has more than ``n`` tokens. None when the vocabulary cannot be read."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(len(str(t).encode("utf-8")) for t in vocab) if vocab else None
+    except Exception:
+        return None
+
+
 def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] = None,
-               metrics: Optional[ServerMetrics] = None) -> FastAPI:
+               metrics: Optional[ServerMetrics] = None, limits: Limits = Limits()) -> FastAPI:
     """The ASGI app. Its lifespan starts the worker's thread and, at shutdown, closes it."""
     metrics = metrics or ServerMetrics(lambda: worker.snapshot, model_name)
     if worker.on_finished is None:
         worker.on_finished = metrics.observe
-    state = ServerState(worker, model_name, worker.engine.max_model_len, metrics, api_key)
+    tokenizer = worker.engine.tokenizer
+    longest = longest_token_bytes(tokenizer) if tokenizer is not None else None
+    max_len = worker.engine.max_model_len
+    # one thread: tokenizers are not all safe to call from several threads at once
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-tokenize")
+    state = ServerState(worker, model_name, max_len, metrics, api_key, limits,
+                        None if longest is None else max_len * longest, pool, metrics.rejected)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
         yield
         await asyncio.to_thread(worker.close, 30.0)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="jspec", description="OpenAI-compatible server over jspec's engine", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
@@ -73,7 +108,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] 
         if state.draining:
             return _error(503, "the server is shutting down", "service_unavailable")
         if not worker.alive:
-            return _error(503, f"the engine failed: {worker.error}", "service_unavailable")
+            return _error(503, "the engine thread is not running", "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -86,13 +121,14 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, api.CompletionRequest)
+        body = await _parse(request, api.CompletionRequest, state)
         _check_model(state, body.model)
         body.check()
         params, fill = body.sampling_params(default_max_tokens=16)
         prompts = body.prompts()
         rid, created = api.new_id("cmpl"), int(time.time())
-        gen = await _Generation.start(worker, rid, [dict(prompt=p) for p in prompts], params, fill)
+        ids = await _prompt_ids(state, [(p, None) for p in prompts], params, fill)
+        gen = await _Generation.start(state, rid, ids, params, fill)
         if body.stream:
             return _EventStream(_completion_chunks(gen, rid, model_name, created, body.include_usage), gen.abort)
         results = await gen.collect(request)
@@ -103,13 +139,13 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, api.ChatCompletionRequest)
+        body = await _parse(request, api.ChatCompletionRequest, state)
         _check_model(state, body.model)
         body.check()
         params, fill = body.sampling_params(default_max_tokens=None)
         rid, created = api.new_id("chatcmpl"), int(time.time())
-        gen = await _Generation.start(worker, rid, [dict(prompt=None, messages=body.template_messages())], params,
-                                      fill)
+        ids = await _prompt_ids(state, [(None, body.template_messages())], params, fill)
+        gen = await _Generation.start(state, rid, ids, params, fill)
         if body.stream:
             return _EventStream(_chat_chunks(gen, rid, model_name, created, body.include_usage), gen.abort)
         results = await gen.collect(request)
@@ -130,7 +166,7 @@ def _error(status: int, message: str, type: str = "invalid_request_error", param
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(api.APIError)
     async def api_error(request, e: api.APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
@@ -147,20 +183,60 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
 
 
-async def _parse(request: Request, schema):
+async def _parse(request: Request, schema, state: ServerState):
     """The JSON body validated against ``schema`` (whatever the Content-Type: ``curl -d``
-    sends form-encoded headers); APIError 400 / 413 otherwise."""
+    sends form-encoded headers); APIError 400 / 413, or 408 when it does not arrive in time."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > api.MAX_BODY_BYTES:
-            raise api.APIError(f"the request body is larger than {api.MAX_BODY_BYTES} bytes", 413)
-        chunks.append(chunk)
     try:
-        return schema.model_validate_json(b"".join(chunks))
+        async with asyncio.timeout(state.limits.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > api.MAX_BODY_BYTES:
+                    raise api.APIError(f"the request body is larger than {api.MAX_BODY_BYTES} bytes", 413)
+                chunks.append(chunk)
+    except TimeoutError:
+        state.rejected["body_timeout"] += 1
+        raise api.APIError(f"the request body did not arrive within {state.limits.body_timeout:g} s", 408,
+                           code="timeout", headers={"Connection": "close"}) from None
+    body = b"".join(chunks)
+    del chunks
+    try:
+        return schema.model_validate_json(body)
     except pydantic.ValidationError as e:
         message, param = api.validation_message(e.errors(include_url=False))
         raise api.APIError(message, param=param) from None
+
+
+def _too_long(state: ServerState, what: str, why: str = "") -> api.APIError:
+    state.rejected["prompt_too_long"] += 1
+    return api.APIError(f"prompt: {what} exceeds max_model_len={state.max_model_len}{why}", param="prompt",
+                        code="context_length_exceeded")
+
+
+async def _prompt_ids(state: ServerState, prompts: list[tuple[Union[str, list[int], None], Optional[list[dict]]]],
+                      params, fill: bool) -> list[list[int]]:
+    """Token ids of each (prompt, messages) pair, or a 400 for one that cannot fit: text longer
+    than ``max_prompt_chars`` is refused unread; the rest is tokenized on the tokenizer thread."""
+    cap = state.max_prompt_chars
+    for prompt, messages in prompts:
+        if isinstance(prompt, list) and len(prompt) >= state.max_model_len:
+            raise _too_long(state, f"{len(prompt)} tokens")
+        chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
+        if cap is not None and chars > cap:
+            raise _too_long(state, f"{chars} characters", f" (no text of more than {cap} characters fits)")
+    tokenizer = state.worker.engine.tokenizer
+    loop = asyncio.get_running_loop()
+    out = []
+    for prompt, messages in prompts:
+        try:
+            ids = await loop.run_in_executor(state.tokenize_pool, prompt_ids, tokenizer, prompt, messages)
+        except JspecError as e:
+            raise api.engine_error(e) from None
+        need = len(ids) + (1 if fill else params.max_tokens)
+        if need > state.max_model_len:
+            raise _too_long(state, f"{len(ids)} tokens" + ("" if fill else f" + max_tokens={params.max_tokens}"))
+        out.append(ids)
+    return out
 
 
 def _check_model(state: ServerState, model: str) -> None:
@@ -171,24 +247,27 @@ def _check_model(state: ServerState, model: str) -> None:
 
 class _Gate:
     """Pure ASGI middleware (it never touches ``receive``, so disconnects reach the handlers):
-    the API key on ``/v1/*``, 503 for new generation requests while draining, and the count of
-    generation requests in flight that draining waits for."""
+    the API key on ``/v1/*`` (and ``/metrics``, ``/openapi.json``), 503 for new generation
+    requests while draining, and the count of generation requests in flight that draining waits
+    for."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+        self.keyed = ("/openapi.json",) + (() if state.limits.public_metrics else ("/metrics",))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        st = self.state
-        if st.api_key is not None and not _authorized(scope, st.api_key):
+        st, path = self.state, scope["path"]
+        v1 = path.startswith("/v1/")
+        if st.api_key is not None and (v1 or path in self.keyed) and not _authorized(scope, st.api_key):
             response = _error(401, "missing or wrong API key (send the header 'Authorization: Bearer KEY')",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
-        if scope["method"] != "POST":
+        if not v1 or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         if st.draining or not st.worker.alive:
-            why = "the server is shutting down" if st.draining else f"the engine failed: {st.worker.error}"
+            why = "the server is shutting down" if st.draining else "the engine thread is not running"
             return await _error(503, why, "service_unavailable")(scope, receive, send)
         st.inflight += 1
         try:
@@ -225,9 +304,18 @@ class _Generation:
         self.results = [_Result() for _ in ids]
 
     @classmethod
-    async def start(cls, worker: EngineWorker, rid: str, prompts: list[dict], params, fill: bool) -> "_Generation":
-        """Submit every prompt and wait until the engine took them all (or refused one: then
-        none runs, and the refusal is raised as an APIError)."""
+    async def start(cls, state: ServerState, rid: str, prompts: list[list[int]], params, fill: bool) -> "_Generation":
+        """Submit every prompt (token ids) and wait until the engine took them all (or refused
+        one: then none runs, and the refusal is raised as an APIError). Past the waiting-queue
+        bound nothing is submitted: 429."""
+        worker, bound = state.worker, state.limits.max_waiting_requests
+        if bound is not None and worker.num_waiting + len(prompts) > bound:
+            state.rejected["queue_full"] += 1
+            # about when a slot frees up: the queue ahead, at the recent request latency per slot
+            wait = worker.num_waiting * worker.mean_latency / max(1, len(worker.engine.scheduler.slots))
+            raise api.APIError(f"the server is overloaded: {worker.num_waiting} requests are waiting (at most "
+                               f"{bound}); retry later", 429, "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(min(60, max(1, math.ceil(wait))))})
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         gen = cls(worker, ids)
         loop = asyncio.get_running_loop()
@@ -235,8 +323,8 @@ class _Generation:
         futures = []
         for i, p in enumerate(prompts):
             sink = functools.partial(_put, loop, gen.queue, i)
-            futures.append(worker.submit(Submission(ids[i], p["prompt"], params, sink, messages=p.get("messages"),
-                                                    fill_max_tokens=fill, arrival_time=now)))
+            futures.append(worker.submit(Submission(ids[i], p, params, sink, fill_max_tokens=fill,
+                                                    arrival_time=now)))
         ok = False
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
@@ -276,7 +364,8 @@ class _Generation:
         async def drain():
             async for _, ev in self.events():
                 if ev.error is not None:
-                    raise api.APIError(f"the engine failed: {ev.error}", 500, "internal_server_error")
+                    raise api.APIError(f"the engine failed on this request: {ev.error}", 500,
+                                       "internal_server_error")
 
         done_task = asyncio.ensure_future(drain())
         gone_task = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -342,7 +431,7 @@ class _EventStream(StreamingResponse):
 async def _completion_chunks(gen: _Generation, rid: str, model: str, created: int, include_usage: bool):
     async for i, ev in gen.events():
         if ev.error is not None:
-            yield _sse(api.error_body(f"the engine failed: {ev.error}", "internal_server_error"))
+            yield _sse(api.error_body(f"the engine failed on this request: {ev.error}", "internal_server_error"))
             break
         last = ev.finished and not gen.open
         choice = api.completion_choice(i, ev.text, ev.finish_reason)
@@ -357,7 +446,7 @@ async def _chat_chunks(gen: _Generation, rid: str, model: str, created: int, inc
                              None, chunk=True))
     async for i, ev in gen.events():
         if ev.error is not None:
-            yield _sse(api.error_body(f"the engine failed: {ev.error}", "internal_server_error"))
+            yield _sse(api.error_body(f"the engine failed on this request: {ev.error}", "internal_server_error"))
             break
         if ev.text:
             yield _sse(api.chat_body(rid, model, created, [api.chat_delta(i, {"content": ev.text}, None)], None,
@@ -371,4 +460,4 @@ async def _chat_chunks(gen: _Generation, rid: str, model: str, created: int, inc
     yield "data: [DONE]\n\n"
 
 
-__all__ = ["ServerState", "create_app"]
+__all__ = ["Limits", "ServerState", "create_app", "longest_token_bytes"]

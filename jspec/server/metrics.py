@@ -12,7 +12,9 @@ The rest under ``jspec:`` names: requests (``jspec:num_requests_running`` / ``_w
 ``jspec:kv_cache_total_pages``, ``jspec:kv_cache_usage_perc``; a page kept only by the prefix
 cache counts as free), and histograms of ``jspec:time_to_first_token_seconds``,
 ``jspec:time_per_output_token_seconds``, ``jspec:request_queue_time_seconds`` and
-``jspec:e2e_request_latency_seconds``.
+``jspec:e2e_request_latency_seconds``. Refusals before the engine:
+``jspec:request_rejected_total{reason}`` (``queue_full`` 429, ``prompt_too_long`` 400,
+``body_timeout`` 408); ``jspec:engine_failures_total`` counts bursts that raised.
 
 Counters and gauges are read at scrape time from the engine thread's snapshot (no lock, no
 call into the engine); the histograms are observed by the engine thread as requests finish.
@@ -34,8 +36,8 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3
 
 
 class _SnapshotCollector:
-    def __init__(self, snapshot: Callable[[], dict], model_name: str):
-        self.snapshot, self.model = snapshot, model_name
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, rejected: dict):
+        self.snapshot, self.model, self.rejected = snapshot, model_name, rejected
 
     def collect(self):
         snap, m = self.snapshot(), [self.model]
@@ -69,6 +71,13 @@ class _SnapshotCollector:
         for reason, n in snap["finished"].items():
             done.add_metric([self.model, reason], n)
         yield done
+        refused = CounterMetricFamily("jspec:request_rejected", "Requests refused before the engine, by reason.",
+                                      labels=["model_name", "reason"])
+        for reason, n in list(self.rejected.items()):
+            refused.add_metric([self.model, reason], n)
+        yield refused
+        yield counter("jspec:engine_failures", "Engine bursts that raised (their requests failed).",
+                      snap.get("failed_bursts", 0))
         yield counter("jspec:prompt_tokens", "Prompt tokens of finished requests.", s.prompt_tokens)
         yield counter("jspec:generation_tokens", "Generated tokens of finished requests.", s.generation_tokens)
         yield counter("jspec:num_preemptions", "Preemptions (a request recomputed later).", s.preemptions)
@@ -88,7 +97,8 @@ class ServerMetrics:
         prometheus_client.disable_created_metrics()  # no *_created series (vLLM turns them off too)
         self.registry = CollectorRegistry()
         self.model = model_name
-        self.registry.register(_SnapshotCollector(snapshot, model_name))
+        self.rejected = {"queue_full": 0, "prompt_too_long": 0, "body_timeout": 0}  # the app counts them
+        self.registry.register(_SnapshotCollector(snapshot, model_name, self.rejected))
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(model_name)

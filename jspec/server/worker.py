@@ -8,7 +8,13 @@ request's ``sink`` (a callable; the HTTP layer passes one that puts into an asyn
 
 A request is accepted or refused through ``Submission.accepted`` (a ``concurrent.futures``
 future): the engine's own checks (prompt too long for the context or the page pool, bad token
-ids) run in this thread, so a bad request is refused before a streaming response starts.
+ids) run in this thread, so a bad request is refused before a streaming response starts. The
+HTTP layer tokenizes prompts on its own thread and sends token ids, so nothing a client sends
+makes this thread do work in proportion to its size before the engine's checks.
+
+A request's failure is that request's: a request the engine finishes with reason ``"error"``
+gets an error event, and so do the requests of a burst that raised (logged with their ids); the
+thread goes on serving the rest and every later request.
 
 Text is streamed in pieces whose concatenation is the engine's final text: a piece holds back
 a trailing partial UTF-8 character (decoded as U+FFFD) and any suffix that could be the start of
@@ -41,7 +47,7 @@ class Event:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" on the last event
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error: Optional[str] = None  # the engine failed (a bug): the request ends without a result
+    error: Optional[str] = None  # the engine failed on this request: it ends without a result
 
     @property
     def finished(self) -> bool:
@@ -99,6 +105,14 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in ids]
 
 
+def prompt_ids(tokenizer, prompt: Union[str, list[int], None], messages: Optional[list[dict]] = None) -> list[int]:
+    """The token ids of one submission's prompt: ``messages`` through the chat template, text
+    through the tokenizer, token ids as they are. The HTTP layer calls it on its own thread."""
+    if messages is not None:
+        return chat_ids(tokenizer, messages)
+    return encode_prompt(tokenizer, prompt)
+
+
 class EngineWorker:
     def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[Request], None]] = None):
         self.engine = engine
@@ -106,8 +120,11 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="jspec-engine", daemon=True)
-        self.finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
-        self.error: Optional[str] = None  # set when a burst raised: the engine serves no more
+        self.finished_by_reason = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.failed_bursts = 0  # engine.step() calls that raised (each failed the requests in flight)
+        self.last_error: Optional[str] = None
+        self.mean_latency = 1.0  # seconds from arrival to finish, smoothed over finished requests
+        self._queued = 0  # submitted requests the engine thread has not taken yet
         self.snapshot: dict = {}
         self._publish()
 
@@ -120,12 +137,17 @@ class EngineWorker:
     def submit(self, sub: Submission) -> concurrent.futures.Future:
         """Queue ``sub``; its future resolves (to the prompt's token count) once the engine took
         it, or raises the engine's refusal (a JspecError) or the engine's failure."""
+        self._queued += 1
         self._commands.put(("add", sub))
         return sub.accepted
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its pages are freed at once); a no-op once it finished."""
         self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (their clients get finish reason "abort")."""
+        self._commands.put(("abort_all", None))
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Abort what is left and stop the thread."""
@@ -135,11 +157,17 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        """The engine thread runs (before ``start`` and after ``close`` it does not)."""
+        return self._thread.is_alive()
 
     @property
     def num_unfinished(self) -> int:
         return self.snapshot.get("unfinished", 0)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet in an engine slot: queued for this thread, or waiting in the engine."""
+        return self._queued + self.snapshot.get("waiting", 0)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -147,7 +175,7 @@ class EngineWorker:
             while True:
                 if not self._take_commands(block=not self.engine.has_unfinished_requests()):
                     break
-                if self.engine.has_unfinished_requests() and self.error is None:
+                if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
         finally:
@@ -169,17 +197,18 @@ class EngineWorker:
                 self._add(arg)
             elif kind == "abort":
                 self._abort(arg)
+            elif kind == "abort_all":
+                for rid in list(self._streams):
+                    self._abort(rid)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
     def _add(self, sub: Submission) -> None:
+        self._queued -= 1
         if not sub.accepted.set_running_or_notify_cancel():
             return  # the client left before the engine saw it
-        if self.error is not None:
-            sub.accepted.set_exception(RuntimeError(f"the engine failed earlier: {self.error}"))
-            return
         try:
             prompt = chat_ids(self.engine.tokenizer, sub.messages) if sub.messages is not None else sub.prompt
             params = sub.params
@@ -209,15 +238,21 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception as e:  # a bug: fail every request rather than hang its client
-            log.exception("the engine failed; failing every request in flight")
-            self.error = f"{type(e).__name__}: {e}"
+        except Exception as e:
+            # step() raises only on what it could not recover from (it fails single requests and
+            # failed device calls itself): a bug, logged loudly. The requests in flight fail with
+            # it rather than hang their clients; the thread serves the next ones.
+            self.failed_bursts += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.exception("engine.step() raised; failing the requests in flight: %s", sorted(self._streams))
             for rid, st in list(self._streams.items()):
-                self._send(st, Event(error=self.error))
                 try:
                     self.engine.abort_request(rid)
                 except Exception:
-                    pass
+                    log.exception("request %s could not be aborted after the failure", rid)
+                self.engine.requests.pop(rid, None)
+                self._send(st, Event(error=self.last_error))
+                self.finished_by_reason["error"] += 1
             self._streams.clear()
             return
         for out in outs:
@@ -227,17 +262,28 @@ class EngineWorker:
                 self._emit(st, r, out.finished)
 
     def _emit(self, st: _Stream, r: Request, finished: bool) -> None:
-        end = releasable(r.text, st.sent, r.params.stop, finished)
-        piece, st.sent = r.text[st.sent:end], max(st.sent, end)
-        if piece or finished:
-            self._send(st, Event(piece, r.finish_reason if finished else None, len(r.prompt_ids), len(r.output_ids)))
+        if finished and r.finish_reason == "error":  # the engine failed this request alone
+            self._send(st, Event(error=r.error or "the engine failed on this request",
+                                 prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids)))
+        else:
+            end = releasable(r.text, st.sent, r.params.stop, finished)
+            piece, st.sent = r.text[st.sent:end], max(st.sent, end)
+            if piece or finished:
+                self._send(st, Event(piece, r.finish_reason if finished else None, len(r.prompt_ids),
+                                     len(r.output_ids)))
         if finished:
             self._streams.pop(r.request_id, None)
             self.engine.requests.pop(r.request_id, None)
             reason = r.finish_reason or "abort"
             self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+            m = r.metrics
+            if reason in ("stop", "length") and m.finished_time is not None:
+                self.mean_latency += 0.1 * (m.finished_time - m.arrival_time - self.mean_latency)
             if self.on_finished is not None:
-                self.on_finished(r)
+                try:
+                    self.on_finished(r)
+                except Exception:
+                    log.exception("recording finished request %s failed", r.request_id)
 
     @staticmethod
     def _send(st: _Stream, event: Event) -> None:
@@ -256,8 +302,8 @@ class EngineWorker:
             "running": running, "waiting": len(e.scheduler.waiting), "unfinished": len(self._streams),
             "free_pages": e.allocator.num_free, "usable_pages": e.allocator.num_usable,
             "stats": dataclasses.replace(s, num_accepted_tokens_per_pos=list(s.num_accepted_tokens_per_pos)),
-            "finished": dict(self.finished_by_reason),
+            "finished": dict(self.finished_by_reason), "failed_bursts": self.failed_bursts,
         }
 
 
-__all__ = ["EngineWorker", "Event", "Submission", "chat_ids", "releasable"]
+__all__ = ["EngineWorker", "Event", "Submission", "chat_ids", "prompt_ids", "releasable"]
