@@ -63,10 +63,10 @@ def spec_json(method: str):
     return json.dumps(dict(METHODS[name], num_speculative_tokens=int(k or 4), **history))
 
 
-def start_server(method: str, args, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(method: str, args, log: Path, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "jspec", "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", "0",
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra]
     spec = spec_json(method)
     if spec is not None:
         cmd += ["--speculative-config", spec]

@@ -37,7 +37,7 @@ from jspec.server.startup import StartupSignals
 
 log = logging.getLogger("jspec.server")
 
-GRACEFUL_SHUTDOWN_S = 3.0  # after the drain: open connections get this long to close
+GRACEFUL_SHUTDOWN_S = 1.0  # after the drain: open connections get this long to close
 
 
 def _timed_h11(header_timeout: float):
@@ -111,7 +111,7 @@ class _DrainingServer(uvicorn.Server):
             if time.monotonic() > deadline:
                 log.warning("drain timeout: aborting %d request(s) in flight", st.inflight)
                 st.worker.abort_all()
-                end = time.monotonic() + 1.0  # their clients get "abort"; then stop regardless
+                end = time.monotonic() + 0.5  # their clients get "abort"; then stop regardless
                 while st.inflight > 0 and time.monotonic() < end:
                     time.sleep(0.05)
                 break
