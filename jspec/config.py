@@ -429,7 +429,12 @@ class EngineConfig:
       rows plus one prefill chunk (the rest of the budget, rounded down to a power of two);
     - ``max_model_len``: prompt + output tokens per request (default: the model's context);
     - ``kv_cache_tokens``: size of the page pool in tokens (default: ``max_num_seqs`` x
-      ``max_model_len`` plus the rows of one verification, every slot at full length);
+      ``max_model_len`` plus the rows of one verification, every slot at full length, or, where
+      that does not fit in ``memory_utilization`` of the free memory, as many pages as do: slots
+      are then admitted as pages allow, and the newest request is preempted when they run out);
+    - ``memory_utilization``: the fraction of the memory free when the engine is built (the
+      device's, or the host's on the CPU) that its default page pool and token buffer may take
+      (vLLM's ``gpu_memory_utilization``, of the free memory rather than the total);
     - ``enable_prefix_caching``: share full prompt pages between requests with the same prefix;
     - ``max_burst_steps``: steps per device call (the host sees new tokens and arrivals between);
     - ``seed``: seeds of requests that bring none are drawn from this;
@@ -470,6 +475,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: Optional[int] = None
     kv_cache_tokens: Optional[int] = None
+    memory_utilization: float = 0.9
     page_size: int = 16
     enable_prefix_caching: bool = True
     max_burst_steps: int = 16
@@ -498,6 +504,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer in [1, 2^31), got {v!r}")
         if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        u = self.memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ConfigError(f"memory_utilization must be a fraction in (0, 1], got {u!r}")
         if self.small_row_weights is not None and not isinstance(self.small_row_weights, bool):
             raise ConfigError(f"small_row_weights must be None, True or False, got {self.small_row_weights!r}")
         for name in ("quantized_weights", "quantized_activations"):

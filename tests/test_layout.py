@@ -113,3 +113,55 @@ def test_front_end_sizing_pinned():
         [64, 320, 512, 1280]
     assert fit_max_model_len(65, 512) == 128 and fit_max_model_len(600, 512) == 512
     assert layout_lib.batched_tokens(8, 4) == 8 * 5 + 256
+
+
+def test_the_default_pool_is_cut_to_the_memory_budget():
+    """Without kv_cache_tokens the pool is every slot at full length where that fits the budget,
+    else the most whole pages that do (never less than one slot's buffer); a given pool is kept."""
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024)
+    full = plan_layout(TARGET, config, k_max=4)
+    assert plan_layout(TARGET, config, k_max=4, memory_budget=full.memory_bytes) == full
+    budget = full.memory_bytes // 10
+    cut = plan_layout(TARGET, config, k_max=4, memory_budget=budget)
+    assert cut.sized_by_memory and not full.sized_by_memory
+    assert cut.memory_bytes <= budget < plan_layout(TARGET, dataclasses.replace(
+        config, kv_cache_tokens=cut.pool_tokens), k_max=4).memory_bytes + cut.memory_bytes // cut.num_pages * 2
+    assert cut.buffer_len == full.buffer_len and cut.num_slots == 64 and cut.max_request_tokens == cut.max_model_len
+    one_slot = plan_layout(TARGET, config, k_max=4, memory_budget=1)
+    assert one_slot.usable_pages * one_slot.page_size == one_slot.buffer_len  # the floor: one full request
+    given = dataclasses.replace(config, kv_cache_tokens=4096)
+    assert plan_layout(TARGET, given, k_max=4, memory_budget=1) == plan_layout(TARGET, given, k_max=4)
+    # a drafter's own pages and tensor parallelism share the same budget per device
+    with_draft = plan_layout(TARGET, config, k_max=4, draft=DRAFT, memory_budget=budget)
+    assert with_draft.memory_bytes <= budget and with_draft.num_pages < cut.num_pages
+    tp = plan_layout(tp_config(TARGET, 2), dataclasses.replace(config, tensor_parallel_size=2), k_max=4,
+                     memory_budget=budget)
+    assert tp.memory_bytes <= budget and tp.num_pages > cut.num_pages
+
+
+def test_an_engine_of_more_slots_than_memory_for_full_length_serves_them_all(monkeypatch):
+    """64 slots whose full-length pool would need ~10x the memory there is: the engine starts with
+    the pool that fits, admits requests as pages allow, and every output equals a roomy engine's."""
+    from jspec.loading import memory
+
+    target = tiny_model(TARGET)
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256)
+    full = plan_layout(TARGET, config)
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: full.memory_bytes // 9)
+    small = LLMEngine(target, config)
+    assert small.layout.sized_by_memory and small.layout.memory_bytes <= full.memory_bytes // 10 + 1
+    monkeypatch.undo()
+    roomy = LLMEngine(target, dataclasses.replace(config, kv_cache_tokens=full.pool_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for name, engine in (("small", small), ("roomy", roomy)):
+        for i in range(80):
+            engine.add_request(str(i), [3 + i % 50, 7, 11 + i % 7] * (1 + i % 20), params)
+        texts = {}
+        for step in engine.step_until_done():
+            for o in step:
+                if o.finished:
+                    texts[o.request_id] = o.outputs[0].token_ids
+        outs[name] = texts
+    assert len(outs["small"]) == 80 and outs["small"] == outs["roomy"]
+    assert small.allocator.num_free == small.allocator.num_usable

@@ -43,7 +43,10 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
                    help=f"prompt + output tokens per request (default: the model's context, at most "
                         f"{DEFAULT_MAX_MODEL_LEN})")
     s.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV page pool in tokens (default: every slot at --max-model-len)")
+                   help="KV page pool in tokens (default: every slot at --max-model-len, or as many pages as fit "
+                        "in --memory-utilization of the free memory)")
+    s.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="fraction of the free memory the default KV page pool may take (default 0.9)")
     add_numerics_arguments(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step: decode rows plus a prefill chunk (default: slots x (k+1) + 256)")
@@ -131,6 +134,7 @@ def serve_options(args):
     config = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens or batched_tokens(args.max_num_seqs, k),
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
+                          memory_utilization=args.memory_utilization,
                           max_burst_steps=args.max_burst_steps, attention=args.attention, seed=args.seed,
                           tensor_parallel_size=args.tp, kv_cache_dtype=args.kv_cache_dtype,
                           quantized_activations=args.quantized_activations)

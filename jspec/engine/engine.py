@@ -135,10 +135,15 @@ class LLMEngine:
         attention = self._attention()
         loaded_drafter = drafter is None and self.spec.enabled  # built here from a checkpoint or lookup
         drafter, drafter_params = self._place(attention, drafter, drafter_params)
-        self.layout = plan_layout(self.model.config, config, k_max=drafter.k if drafter is not None else 0,
-                                  draft=getattr(drafter, "cache_config", None))  # drafters with pages of their own
-        self._build_steps(attention)
         device = jax.local_devices()[0]
+        self.layout = plan_layout(self.model.config, config, k_max=drafter.k if drafter is not None else 0,
+                                  draft=getattr(drafter, "cache_config", None),  # drafters with pages of their own
+                                  memory_budget=self._memory_budget(device))
+        if self.layout.sized_by_memory:
+            log.info("the KV cache holds %d tokens (%s of the free memory), not every slot at max_model_len: "
+                     "requests are admitted as pages allow", self.layout.pool_tokens - config.page_size,
+                     f"{config.memory_utilization:.0%}")
+        self._build_steps(attention)
         self._build_scheduler(device)
         # the pages (a drafter's own too) and the token buffer against the memory available, before
         # anything is built
@@ -152,6 +157,14 @@ class LLMEngine:
         self.stats = EngineStats(self.k_max, bursts_by_slots={n: 0 for n in self.buckets})
 
     # ------------------------------------------------------------------ construction
+    def _memory_budget(self, device) -> Optional[int]:
+        """Bytes the default page pool and token buffer may take on one device: the configured
+        fraction of what is free now (None when it cannot be read, or the pool is given)."""
+        if self.config.kv_cache_tokens is not None:
+            return None
+        free = memory.available_bytes(None if device.platform == "cpu" else device)
+        return None if free is None else int(free * self.config.memory_utilization)
+
     def _attention(self) -> str:
         """The attention implementation: the config's, resolved for the backend; fp8 pages,
         which the Triton kernel does not read, take the xla path under ``auto``."""

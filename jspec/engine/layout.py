@@ -13,7 +13,8 @@ configs would hold. The rules, each written once here:
   a request of ``max_model_len`` tokens writes ``k_max + 1`` rows in its last verification;
 - the block-table width: ``buffer_len / page_size`` pages;
 - the page pool: ``kv_cache_tokens`` (default: every slot at full length, ``max_num_seqs x
-  buffer_len``) in pages, plus the null page;
+  buffer_len``, or, given a memory budget it does not fit in, the most whole pages that do,
+  never less than one slot's buffer) in pages, plus the null page;
 - the prefill budget: ``max_num_batched_tokens`` less every slot's decode rows
   (``max_num_seqs x (k_max + 1)``), at least ``MIN_CHUNK``; the chunk widths and the
   ``(rows, width)`` prefill shapes come from it;
@@ -105,6 +106,7 @@ class EngineLayout:
     kv_cache_bytes: int  # K/V pages of the target and a drafter's own, over all devices
     token_buffer_bytes: int  # the int32 [B, L] token buffer
     tensor_parallel_size: int  # devices the pages are split over
+    sized_by_memory: bool = False  # the default pool was cut to the memory budget
 
     @property
     def usable_pages(self) -> int:
@@ -133,12 +135,15 @@ class EngineLayout:
 
 
 def plan_layout(model: ModelConfig, config: EngineConfig, *, k_max: int = 0,
-                draft: Optional[ModelConfig] = None) -> EngineLayout:
+                draft: Optional[ModelConfig] = None, memory_budget: Optional[int] = None) -> EngineLayout:
     """The layout of an engine over ``model`` (the target's config as the engine runs it: on
     several devices, :func:`jspec.models.tensor_parallel.tp_config`'s) with ``config``, a drafter
     of up to ``k_max`` drafts and, when the drafter keeps pages of its own (a draft model, an
-    EAGLE head), ``draft``: their geometry. Pure. Raises ConfigError when ``max_model_len``
-    exceeds the model's context or ``max_num_batched_tokens`` leaves no prefill chunk."""
+    EAGLE head), ``draft``: their geometry. ``memory_budget``: bytes one device may give the
+    pages and the token buffer; without ``kv_cache_tokens`` the pool is cut to it (the engine
+    passes ``memory_utilization`` of the free memory). Pure. Raises ConfigError when
+    ``max_model_len`` exceeds the model's context or ``max_num_batched_tokens`` leaves no
+    prefill chunk."""
     if not isinstance(config, EngineConfig):
         raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
     context = model.max_position_embeddings
@@ -147,23 +152,33 @@ def plan_layout(model: ModelConfig, config: EngineConfig, *, k_max: int = 0,
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context ({context})")
     ps, b = config.page_size, config.max_num_seqs
     buffer_len = slot_tokens(max_model_len, k_max, ps)
-    kv_tokens = config.kv_cache_tokens or full_pool_tokens(b, max_model_len, k_max, ps)
+    cache_dtype = kv_cache_array_dtype(config.kv_cache_dtype, model.dtype)
+
+    def pool_bytes(tokens: int) -> int:  # over all devices
+        kv = memory.kv_cache_bytes(model, tokens, cache_dtype)
+        return kv + (memory.kv_cache_bytes(draft, tokens, cache_dtype) if draft is not None else 0)
+
+    kv_tokens, cut = config.kv_cache_tokens, False
+    if kv_tokens is None:
+        kv_tokens = full_pool_tokens(b, max_model_len, k_max, ps)
+        if memory_budget is not None:
+            room = memory_budget - memory.token_buffer_bytes(b, buffer_len)
+            per_page = pool_bytes(ps) // config.tensor_parallel_size
+            fits = max(buffer_len, (room // per_page - 1) * ps if per_page else kv_tokens)  # - the null page
+            kv_tokens, cut = min(kv_tokens, fits), fits < kv_tokens
     num_pages = -(-kv_tokens // ps) + 1  # + the null page
     budget = config.max_num_batched_tokens - decode_rows(b, k_max)
     if budget < MIN_CHUNK:
         raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold every slot's "
                           f"decode rows ({b} x {k_max + 1}) plus a prefill chunk of >= {MIN_CHUNK} tokens")
     widths = chunk_widths(budget)
-    cache_dtype = kv_cache_array_dtype(config.kv_cache_dtype, model.dtype)
-    kv = memory.kv_cache_bytes(model, num_pages * ps, cache_dtype)
-    if draft is not None:  # a drafter's own pages, of the same dtype and count
-        kv += memory.kv_cache_bytes(draft, num_pages * ps, cache_dtype)
+    kv = pool_bytes(num_pages * ps)  # a drafter's own pages too, of the same dtype and count
     return EngineLayout(num_slots=b, buckets=slot_buckets(b), k_max=k_max, max_model_len=max_model_len,
                         page_size=ps, buffer_len=buffer_len, table_width=buffer_len // ps, num_pages=num_pages,
                         prefill_budget=budget, chunk_widths=widths, prefill_shapes=prefill_shapes(budget, b, widths),
                         cache_dtype=cache_dtype, kv_cache_bytes=kv,
                         token_buffer_bytes=memory.token_buffer_bytes(b, buffer_len),
-                        tensor_parallel_size=config.tensor_parallel_size)
+                        tensor_parallel_size=config.tensor_parallel_size, sized_by_memory=cut)
 
 
 __all__ = ["DEFAULT_PREFILL_TOKENS", "EngineLayout", "MAX_CHUNK", "MIN_CHUNK", "SHAPE_QUANTUM", "batched_tokens",

@@ -48,12 +48,14 @@ def _prompt_of(p):
 class LLM:
     def __init__(self, model: Union[str, LoadedModel] = DEFAULT_MODEL, *, speculative_config: Optional[dict] = None,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: Optional[int] = None,
-                 kv_cache_tokens: Optional[int] = None, page_size: int = 16, enable_prefix_caching: bool = True,
+                 kv_cache_tokens: Optional[int] = None, memory_utilization: float = 0.9, page_size: int = 16,
+                 enable_prefix_caching: bool = True,
                  max_burst_steps: int = 16, dtype: str = "float32", attention: str = "auto", seed: int = 0,
                  tensor_parallel_size: int = 1, quantized_weights: bool = True, kv_cache_dtype: str = "auto",
                  quantized_activations: bool = False):
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, page_size=page_size,
+                              max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
+                              memory_utilization=memory_utilization, page_size=page_size,
                               enable_prefix_caching=enable_prefix_caching, max_burst_steps=max_burst_steps,
                               attention=attention, seed=seed, tensor_parallel_size=tensor_parallel_size,
                               quantized_weights=quantized_weights, kv_cache_dtype=kv_cache_dtype,
