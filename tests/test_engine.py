@@ -5,6 +5,7 @@ seed, and nothing compiles after warm-up."""
 
 import dataclasses
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -470,6 +471,20 @@ def test_llm_front_door_in_vllm_convention(target):
         jspec.LLM(target, speculative_config={"method": "medusa"})
     with pytest.raises(jspec.PromptError, match="no prompts"):
         llm.generate([], use_tqdm=False)
+
+
+def test_llm_generate_progress_bar(target, capsys):
+    """use_tqdm: finished requests of the call, output tokens per second and the acceptance rate on
+    stderr; the outputs are the same as without it."""
+    llm = jspec.LLM(target, max_num_seqs=2, max_model_len=64, page_size=8,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    prompts = prompts_with_repeats(3, seed=8)
+    quiet = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    capsys.readouterr()
+    shown = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+    assert "3/3" in err and "out tok/s=" in err and re.search(r"accepted=\d\.\d\d", err), err
 
 
 def test_prefill_width_weighs_padding_against_a_steps_overhead():

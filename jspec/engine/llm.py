@@ -25,6 +25,7 @@ its unfinished requests are aborted, so the engine is left idle and ready for th
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Iterator, Optional, Sequence, Union
 
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
@@ -108,20 +109,31 @@ class LLM:
 
     def generate(self, prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
                  use_tqdm: bool = True, chat: bool = False) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; one RequestOutput per prompt, in order."""
+        """Run ``prompts`` to completion; one RequestOutput per prompt, in order. ``use_tqdm``
+        (vLLM's flag) shows a bar of finished requests on stderr with the output tokens per
+        second and, when speculating, the draft acceptance rate of this call."""
         ids = self._add(prompts, sampling_params, chat)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+            s, t0, tokens = self.engine.stats, time.perf_counter(), 0
+            drafted0, accepted0 = s.num_draft_tokens, s.num_accepted_tokens
+        wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         try:
             for outs in self.engine.step_until_done(until=lambda: len(done) == len(ids)):
                 for out in outs:
-                    if out.finished and out.request_id in ids and out.request_id not in done:
+                    if out.finished and out.request_id in wanted and out.request_id not in done:
                         done[out.request_id] = out
                         if bar is not None:
+                            tokens += len(out.outputs[0].token_ids)
+                            drafted = s.num_draft_tokens - drafted0
+                            postfix = {"out tok/s": f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}"}
+                            if drafted:
+                                postfix["accepted"] = f"{(s.num_accepted_tokens - accepted0) / drafted:.2f}"
+                            bar.set_postfix(postfix, refresh=False)
                             bar.update(1)
             for rid in ids:  # finished without an output in a step (aborted): take their record
                 if rid not in done:
