@@ -1,16 +1,24 @@
 """``jspec.generate``: a batch of prompts through the engine, all admitted at once.
 
 A thin call into :class:`~jspec.engine.engine.LLMEngine` (one decode path, not two): the
-engine gets one slot per prompt and shapes rounded up to ``SHAPE_QUANTUM`` tokens (so prompts
-of similar length reuse the compiled steps; the sizing rules are :mod:`jspec.engine.layout`'s),
-each prompt's pages come from a shared pool, and the prompts are prefilled chunk by chunk while
-the ones already prefilled decode. The result carries timings with compilation subtracted
-(:mod:`jspec.timing`) and the speculative counters summed over the batch.
+engine has up to ``GENERATE_SLOTS`` slots (a power of two that holds the prompts; more prompts
+queue for them, continuous batching) and shapes rounded up to ``SHAPE_QUANTUM`` tokens (the
+sizing rules are :mod:`jspec.engine.layout`'s); each prompt's pages come from a shared pool sized
+to the free memory, and the prompts are prefilled several per step while the ones already
+prefilled decode. The result carries timings with compilation subtracted (:mod:`jspec.timing`)
+and the speculative counters summed over the batch.
+
+The engine outlives the call: the next call on the same model with the same settings reuses it
+(and its compiled programs) when it has enough slots and context, and otherwise replaces it by
+one with the larger of both, so a run of calls with any prompt counts compiles each slot bucket
+and shape once. Outputs do not depend on it (a row's result never depends on the other rows of
+its step, nor on how many slots there are); ``release_engine()`` frees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Optional, Sequence
 
 from jspec.config import MAX_SEED, CacheConfig, EngineConfig, SamplingParams, SpecConfig
@@ -98,10 +106,80 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
                               f"the model's context of {context} tokens")
     k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
     config = engine_config(model, ids, sampling, k, cache_config, attention, tensor_parallel_size,
-                           stream_interval if on_tokens is not None else None, dynamic_k=spec.dynamic_k,
-                           kv_cache_dtype=kv_cache_dtype, quantized_activations=quantized_activations)
-    engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
+                           stream_interval if on_tokens is not None else None, max_num_seqs=generate_slots(b),
+                           dynamic_k=spec.dynamic_k, kv_cache_dtype=kv_cache_dtype,
+                           quantized_activations=quantized_activations)
+    # every request brings its seed (run_requests), so the engine's own does not matter; the pool
+    # is sized to the free memory
+    config = dataclasses.replace(config, seed=0, kv_cache_tokens=None)
+    if drafter is not None:  # a caller's drafter object may carry state of its own: an engine for this call
+        engine = LLMEngine(model, config, spec, drafter=drafter, drafter_params=drafter_params)
+    else:
+        engine = _engine_for(model, config, spec)
     return run_requests(engine, ids, sampling, seeds, on_tokens)
+
+
+GENERATE_SLOTS = 64  # slots of generate()'s engine at most: more prompts wait for one
+
+
+def generate_slots(num_prompts: int) -> int:
+    """Slots of the engine for ``num_prompts``: the smallest power of two that holds them, at
+    most ``GENERATE_SLOTS`` (each slot bucket compiles once; see ``layout.slot_buckets``)."""
+    return min(GENERATE_SLOTS, 1 << max(num_prompts - 1, 0).bit_length())
+
+
+_SIZES = ("max_num_seqs", "max_model_len", "max_num_batched_tokens")
+_kept: Optional[tuple] = None  # (weak reference to the model, what it was, its spec, the engine)
+
+
+def _identity(model) -> tuple:
+    """What the kept engine was built from: the model's config, tokenizer and parameter arrays
+    (held, so that a model whose parameters were replaced, even in place, is not taken for it)."""
+    import jax
+
+    return model.config, model.tokenizer, jax.tree_util.tree_leaves(model.params)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and a[1] is b[1] and len(a[2]) == len(b[2])
+            and all(x is y for x, y in zip(a[2], b[2])))
+
+
+def _without_sizes(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(config, max_num_seqs=1, max_model_len=None, max_num_batched_tokens=1)
+
+
+def _engine_for(model, config: EngineConfig, spec: SpecConfig) -> LLMEngine:
+    """The kept engine if it serves ``config`` (same model, spec and settings; at least its
+    slots, context and step budget), else a new one with the larger of each, which is kept."""
+    global _kept
+    identity = _identity(model)
+    if _kept is not None:
+        ref, kept_identity, kept_spec, engine = _kept
+        c = engine.config
+        if (ref() is model and _same(kept_identity, identity) and kept_spec == spec
+                and _without_sizes(c) == _without_sizes(config)):
+            if all(getattr(c, n) >= getattr(config, n) for n in _SIZES):
+                if engine.has_unfinished_requests():  # a call cut short: start clean
+                    for rid in list(engine.requests):
+                        engine.abort_request(rid)
+                engine.pop_finished()
+                engine.reset_lookup_history()  # a call's output does not depend on the ones before
+                return engine
+            config = dataclasses.replace(config, **{n: max(getattr(c, n), getattr(config, n)) for n in _SIZES})
+    _kept = None  # the old engine's memory goes before the new one's is taken
+    engine = LLMEngine(model, config, spec)
+    try:
+        _kept = (weakref.ref(model), identity, spec, engine)
+    except TypeError:  # a model that takes no weak reference is not kept
+        pass
+    return engine
+
+
+def release_engine() -> None:
+    """Free the engine :func:`generate` keeps between calls."""
+    global _kept
+    _kept = None
 
 
 # With dynamic k the host picks k between bursts from the acceptance seen so far: a burst to the end

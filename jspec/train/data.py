@@ -298,7 +298,7 @@ def generate_sequences(target, prompts: list, max_new_tokens: int, batch_size: i
     the engine does not depend on what else runs beside a sequence."""
     from jspec.config import EngineConfig, SamplingParams
     from jspec.engine.engine import LLMEngine
-    from jspec.engine.generate import generate
+    from jspec.engine.generate import generate, release_engine
     from jspec.engine.layout import batched_tokens, fit_max_model_len
 
     ids = [encode_prompt(target.tokenizer, p, chat) for p in prompts]
@@ -313,6 +313,7 @@ def generate_sequences(target, prompts: list, max_new_tokens: int, batch_size: i
                 seqs[i] = ids[i] + new
             if progress:
                 progress(len(batch))
+        release_engine()  # its pages are not needed for what follows (training)
     else:
         max_len = fit_max_model_len(max(map(len, ids)) + max_new_tokens, target.config.max_position_embeddings)
         # max_len tokens of pages a slot, a little under full_pool_tokens (a slot at full length
