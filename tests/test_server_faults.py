@@ -21,7 +21,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,11 +28,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+import server_helpers
 from helpers import write_hf_checkpoint
+from server_helpers import launch, stalled_body
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 KEY = "fault-key"
 MAX_MODEL_LEN = 128
@@ -101,43 +101,18 @@ class Proc:
 
 def start(model: Path, tmp: Path, *extra: str) -> Proc:
     log = tmp / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "jspec", "serve", "--model", str(model), "--served-model-name", NAME,
-           "--host", "127.0.0.1", "--port", "0", "--api-key", KEY, "--max-num-seqs", "4",
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "1024", "--max-burst-steps", "4",
-           "--log-level", "warning", *extra]
-    env = dict(os.environ, JSPEC_COMPILE_CACHE="0", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return Proc(proc, log)
+    args = ["--model", str(model), "--served-model-name", NAME, "--host", "127.0.0.1", "--port", "0",
+            "--api-key", KEY, "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens",
+            "1024", "--max-burst-steps", "4", "--log-level", "warning", *extra]
+    return Proc(launch(args, log), log)
 
 
 def wait_ready(p: Proc) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise AssertionError(f"jspec serve exited with {p.proc.returncode}:\n{p.log.read_text()}")
-        if not p.url:
-            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", p.log.read_text())
-            if m:
-                p.url = m.group(1)
-        if p.url:
-            try:
-                if httpx.get(p.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    raise AssertionError(f"not ready after {START_TIMEOUT}s:\n{p.log.read_text()}")
+    p.url = server_helpers.wait_ready(p.proc, p.log, START_TIMEOUT)
 
 
 def stop(p: Proc) -> None:
-    if p.proc.poll() is None:
-        p.proc.send_signal(signal.SIGTERM)
-        try:
-            p.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait(10)
+    server_helpers.stop(p.proc)
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +277,7 @@ def test_rss_returns_after_refused_5MB_prompts(server):
 
 def test_a_stalled_body_gets_408_and_a_silent_connection_is_closed(server):
     host, port = server.address()
-    stalled = socket.create_connection((host, port), timeout=30)
-    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                    + b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\": ")
+    stalled = stalled_body(host, port, KEY, 500, b'{"model": ', timeout=30)
     slow_headers = socket.create_connection((host, port), timeout=30)
     slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     silent = socket.create_connection((host, port), timeout=30)
@@ -435,9 +408,7 @@ def test_sigterm_with_stalled_bodies_and_streams_exits_0_within_the_drain_timeou
     try:
         wait_ready(p)
         host, port = p.address()
-        stalled = socket.create_connection((host, port), timeout=60)
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                        + b"\r\nContent-Length: 900\r\n\r\n{")
+        stalled = stalled_body(host, port, KEY, 900, b"{")
         slow = socket.create_connection((host, port), timeout=60)
         slow.sendall(b"POST /v1/comp")
         stream_lines: list[str] = []
