@@ -256,8 +256,8 @@ def _serve(args, spec, config, sock, startup) -> int:
         engine.warmup()
         check()
     limits = Limits(max_waiting_requests=args.max_waiting_requests or None, body_timeout=args.body_timeout,
-                          header_timeout=args.header_timeout, drain_timeout=args.drain_timeout,
-                          public_metrics=args.public_metrics)
+                    header_timeout=args.header_timeout, drain_timeout=args.drain_timeout,
+                    public_metrics=args.public_metrics)
     app = create_app(EngineWorker(engine), name, api_key=args.api_key, limits=limits)
     host, port = sock.getsockname()[:2]
     what = (f"{spec.method} k={spec.num_speculative_tokens}{' (dynamic)' if spec.dynamic_k else ''}"

@@ -303,17 +303,7 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"request {request_id}: token ids outside [0, {vocab})")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            context = self.model.config.max_position_embeddings
-            limit = (f"the model's context of {context} tokens" if self.max_model_len >= context
-                     else f"max_model_len={self.max_model_len}")
-            raise PromptError(f"request {request_id}: prompt of {len(ids)} tokens + max_tokens={params.max_tokens} "
-                              f"exceeds {limit}")
-        need = self.allocator.pages_for(total + self.k_max + 1)
-        if need > self.allocator.num_usable:
-            raise PromptError(f"request {request_id}: needs {need} pages of {self.config.page_size} tokens, the KV "
-                              f"cache has {self.allocator.num_usable} (raise kv_cache_tokens)")
+        self.check_length(request_id, len(ids), params.max_tokens)
         order = next(self._order)
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + order) % (2**63)
         now = time.perf_counter() if arrival_time is None else arrival_time
@@ -323,6 +313,22 @@ class LLMEngine:
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)
         return r
+
+    def check_length(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        """PromptError unless a request of this many prompt tokens and ``max_tokens`` can ever
+        run: within ``max_model_len`` and within the whole page pool. Reads only the engine's
+        fixed layout, so any thread may call it (the server does, before the engine sees a request)."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            context = self.model.config.max_position_embeddings
+            limit = (f"the model's context of {context} tokens" if self.max_model_len >= context
+                     else f"max_model_len={self.max_model_len}")
+            raise PromptError(f"request {request_id}: prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} "
+                              f"exceeds {limit}")
+        need = self.allocator.pages_for(total + self.k_max + 1)
+        if need > self.allocator.num_usable:
+            raise PromptError(f"request {request_id}: needs {need} pages of {self.config.page_size} tokens, the KV "
+                              f"cache has {self.allocator.num_usable} (raise kv_cache_tokens)")
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         r = self.requests.get(str(request_id))

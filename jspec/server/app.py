@@ -127,7 +127,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] 
         params, fill = body.sampling_params(default_max_tokens=16)
         prompts = body.prompts()
         rid, created = api.new_id("cmpl"), int(time.time())
-        ids = await _prompt_ids(state, [(p, None) for p in prompts], params, fill)
+        ids = await _prompt_ids(state, rid, [(p, None) for p in prompts], params, fill)
         gen = await _Generation.start(state, rid, ids, params, fill)
         if body.stream:
             return _EventStream(_completion_chunks(gen, rid, model_name, created, body.include_usage), gen.abort)
@@ -144,7 +144,7 @@ def create_app(worker: EngineWorker, model_name: str, *, api_key: Optional[str] 
         body.check()
         params, fill = body.sampling_params(default_max_tokens=None)
         rid, created = api.new_id("chatcmpl"), int(time.time())
-        ids = await _prompt_ids(state, [(None, body.template_messages())], params, fill)
+        ids = await _prompt_ids(state, rid, [(None, body.template_messages())], params, fill)
         gen = await _Generation.start(state, rid, ids, params, fill)
         if body.stream:
             return _EventStream(_chat_chunks(gen, rid, model_name, created, body.include_usage), gen.abort)
@@ -207,34 +207,36 @@ async def _parse(request: Request, schema, state: ServerState):
         raise api.APIError(message, param=param) from None
 
 
-def _too_long(state: ServerState, what: str, why: str = "") -> api.APIError:
+def _too_long(state: ServerState, message: str) -> api.APIError:
     state.rejected["prompt_too_long"] += 1
-    return api.APIError(f"prompt: {what} exceeds max_model_len={state.max_model_len}{why}", param="prompt",
-                        code="context_length_exceeded")
+    return api.APIError(message, param="prompt", code="context_length_exceeded")
 
 
-async def _prompt_ids(state: ServerState, prompts: list[tuple[Union[str, list[int], None], Optional[list[dict]]]],
-                      params, fill: bool) -> list[list[int]]:
+async def _prompt_ids(state: ServerState, rid: str,
+                      prompts: list[tuple[Union[str, list[int], None], Optional[list[dict]]]], params,
+                      fill: bool) -> list[list[int]]:
     """Token ids of each (prompt, messages) pair, or a 400 for one that cannot fit: text longer
-    than ``max_prompt_chars`` is refused unread; the rest is tokenized on the tokenizer thread."""
+    than ``max_prompt_chars`` is refused unread; the rest is tokenized on the tokenizer thread
+    and checked against the engine's limits (``LLMEngine.check_length``) before the engine sees it."""
     cap = state.max_prompt_chars
     for prompt, messages in prompts:
-        if isinstance(prompt, list) and len(prompt) >= state.max_model_len:
-            raise _too_long(state, f"{len(prompt)} tokens")
         chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
         if cap is not None and chars > cap:
-            raise _too_long(state, f"{chars} characters", f" (no text of more than {cap} characters fits)")
-    tokenizer = state.worker.engine.tokenizer
+            raise _too_long(state, f"prompt: {chars} characters exceeds max_model_len={state.max_model_len} "
+                                   f"(no text of more than {cap} characters fits)")
+    engine = state.worker.engine
     loop = asyncio.get_running_loop()
     out = []
-    for prompt, messages in prompts:
+    for i, (prompt, messages) in enumerate(prompts):
         try:
-            ids = await loop.run_in_executor(state.tokenize_pool, prompt_ids, tokenizer, prompt, messages)
+            ids = await loop.run_in_executor(state.tokenize_pool, prompt_ids, engine.tokenizer, prompt, messages)
         except JspecError as e:
             raise api.engine_error(e) from None
-        need = len(ids) + (1 if fill else params.max_tokens)
-        if need > state.max_model_len:
-            raise _too_long(state, f"{len(ids)} tokens" + ("" if fill else f" + max_tokens={params.max_tokens}"))
+        try:
+            engine.check_length(rid if len(prompts) == 1 else f"{rid}-{i}", len(ids),
+                                1 if fill else params.max_tokens)
+        except JspecError as e:
+            raise _too_long(state, str(e)) from None
         out.append(ids)
     return out
 

@@ -25,16 +25,12 @@ def active() -> "StartupSignals | None":
 
 
 class StartupSignals:
-    """SIGTERM during start-up exits 0 within ``grace`` seconds, whatever the main thread does.
-
-    Python runs signal handlers in the main thread between bytecodes, and a ``SystemExit`` raised
-    by one can land inside a garbage-collection callback, where it is discarded. So the handler
-    only records the signal; the C-level handler also writes it to a wakeup pipe, which a watcher
-    thread reads: during start-up it gives the main thread ``grace`` seconds to notice (at
-    :meth:`check`) and then ends the process itself. Once :meth:`serving` is called, uvicorn's
-    handlers own SIGTERM and the watcher ignores it; a SIGTERM that arrived just before is handed
-    to the server (:attr:`pending`). Other signals' wakeup bytes go on to the wakeup pipe that
-    was there before (the CLI's SIGINT watcher, :mod:`jspec.cli.guard`)."""
+    """SIGTERM during start-up exits 0 within ``grace`` seconds, whatever the main thread does:
+    the watcher gives the main thread ``grace`` seconds to notice (at :meth:`check`), then ends
+    the process itself. Once :meth:`serving` is called, uvicorn's handlers own SIGTERM and the
+    watcher ignores it; a SIGTERM that arrived just before is handed to the server
+    (:attr:`pending`). Other signals' wakeup bytes go on to the wakeup pipe that was there
+    before (the CLI's SIGINT watcher, :mod:`jspec.cli.guard`)."""
 
     def __init__(self, grace: float = 2.0):
         self.grace = grace

@@ -210,11 +210,9 @@ class EngineWorker:
         if not sub.accepted.set_running_or_notify_cancel():
             return  # the client left before the engine saw it
         try:
-            prompt = chat_ids(self.engine.tokenizer, sub.messages) if sub.messages is not None else sub.prompt
+            prompt = prompt_ids(self.engine.tokenizer, sub.prompt, sub.messages)
             params = sub.params
             if sub.fill_max_tokens:
-                if isinstance(prompt, str):
-                    prompt = encode_prompt(self.engine.tokenizer, prompt)
                 # what the context, and the whole page pool, leave after the prompt
                 room = self.engine.layout.max_request_tokens - len(prompt)
                 params = dataclasses.replace(params, max_tokens=max(1, room))
