@@ -8,6 +8,7 @@
                 [--max-num-seqs N] [--max-model-len N] [--kv-cache-tokens N] [--api-key KEY] ...
     jspec bench [--prompts-file FILE | --suite humaneval] [--limit N] [--methods ar,ngram:4,...]
                 [--peers transformers] [--json OUT] [--plot OUT.png]   (see ``jspec bench --help``)
+    jspec plan [--model NAME_OR_PATH_OR_CONFIG] [--tp N] [--dtype bfloat16] [--device-memory 192GiB] [--spec ...]
     jspec info
     jspec distill ...   (see ``jspec distill --help``)
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jspec.attention import ATTENTION_IMPLS
     from jspec.cli.bench import add_bench_parser
     from jspec.cli.generate import add_generate_parser
+    from jspec.cli.plan import add_plan_parser
     from jspec.cli.serve import add_serve_parser
     from jspec.loading import DEFAULT_MODEL
 
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
     add_serve_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
     add_bench_parser(sub, DEFAULT_MODEL, ATTENTION_IMPLS)
+    add_plan_parser(sub, DEFAULT_MODEL)
 
     i = sub.add_parser("info", help="versions, backend, devices, the CPU kernels' build and the default model's path")
     i.set_defaults(func=cmd_info)

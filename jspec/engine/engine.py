@@ -49,7 +49,8 @@ from jspec.cache import PageAllocator
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine import sharded
 from jspec.engine.cost import AcceptancePrior, CostModel
-from jspec.engine.layout import plan_layout
+from jspec.engine.layout import (StepVariants, k_candidates, memory_budget, plan_layout, prefill_k,
+                                 step_variants)
 from jspec.engine.request import EngineStats, Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_update
 from jspec.engine.scheduler import Plan, Scheduler
@@ -159,11 +160,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     def _memory_budget(self, device) -> Optional[int]:
         """Bytes the default page pool and token buffer may take on one device: the configured
-        fraction of what is free now (None when it cannot be read, or the pool is given)."""
+        fraction of what is free now, less a step's activations (None when it cannot be read, or
+        the pool is given)."""
         if self.config.kv_cache_tokens is not None:
             return None
         free = memory.available_bytes(None if device.platform == "cpu" else device)
-        return None if free is None else int(free * self.config.memory_utilization)
+        if free is None:
+            return None
+        c = self.config  # the same budget as jspec.engine.plan.plan_run's
+        activations = memory.activation_bytes(self.model.config, c.max_num_batched_tokens, c.tensor_parallel_size)
+        return memory_budget(free, c.memory_utilization, activations)
 
     def _attention(self) -> str:
         """The attention implementation: the config's, resolved for the backend; fp8 pages,
@@ -202,8 +208,7 @@ class LLMEngine:
         mc, drafter, k_max = self.model.config, self.drafter, self.k_max
         eos = tuple(mc.eos_token_ids)
         self._steps = {0: PlainStep(mc, eos, attention, drafter, self.path)}
-        candidates = [0] if drafter is None else ([k_max] if not self.spec.dynamic_k else
-                                                  sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
+        candidates = k_candidates(k_max, self.spec.dynamic_k)
         for k in candidates:
             if k > 0:
                 self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k), self.path)
@@ -213,10 +218,7 @@ class LLMEngine:
         self.costs = {n: CostModel(candidates, prior=self.acceptance) for n in self.buckets}
         self.calibration_drafted: dict[int, dict[int, float]] = {}  # filled by calibrate()
         self._cost_bucket = self.buckets[-1]
-        # The step that carries prefill chunks: with a fixed k the same speculative step as every
-        # other (so a request's steps, and its sampled tokens, do not depend on who else is
-        # prefilling); with dynamic k (already batch-dependent) the plain step, one variant fewer.
-        self._prefill_k = 0 if drafter is None or self.spec.dynamic_k else k_max
+        self._prefill_k = prefill_k(k_max, self.spec.dynamic_k)  # the step that carries prefill chunks
 
     def _build_scheduler(self, device) -> None:
         """The page allocator over the layout's pool and the scheduler over its slots."""
@@ -286,6 +288,11 @@ class LLMEngine:
         return self.layout.buckets
 
     # ------------------------------------------------------------------ requests
+    @property
+    def step_variants(self) -> StepVariants:
+        """The programs :meth:`warmup` compiles (:func:`jspec.engine.layout.step_variants`)."""
+        return step_variants(self.buckets, self.prefill_shapes, self.k_max, self.spec.dynamic_k)
+
     @property
     def tokenizer(self):
         return self.model.tokenizer
@@ -637,11 +644,11 @@ class LLMEngine:
         s = self.scheduler
         tables = s.tables()
         caps = np.zeros((len(s.slots),), np.int32)
-        for k in sorted(set(self.cost.candidates) | {self._prefill_k}):
-            for n in self.buckets:
-                self.runner.burst(self._steps[k], tables, caps, None, 1, False, np.arange(n, dtype=np.int32))
+        variants = self.step_variants
+        for k, n in variants.decode:
+            self.runner.burst(self._steps[k], tables, caps, None, 1, False, np.arange(n, dtype=np.int32))
         pad = len(s.slots)
-        for rows, width in self.prefill_shapes:
+        for rows, width in variants.prefill:
             seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))
             self.runner.burst(self._steps[self._prefill_k], tables, caps, seg, 1, False)
         dummy = slot_update(0, [0], tables[0], 1, 0, SamplingParams(), 0, 0, self.buffer_len)

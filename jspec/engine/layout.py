@@ -87,6 +87,51 @@ def slot_buckets(num_slots: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots} | {num_slots}))
 
 
+def k_candidates(k_max: int, dynamic_k: bool) -> tuple[int, ...]:
+    """The k values a step may run with: 0 without a drafter, ``k_max`` with a fixed k, and with
+    dynamic k also 0 (no speculation) and 1, 2, 4, 8 below ``k_max``."""
+    if k_max == 0:
+        return (0,)
+    if not dynamic_k:
+        return (k_max,)
+    return tuple(sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
+
+
+def prefill_k(k_max: int, dynamic_k: bool) -> int:
+    """The k of the step that carries prefill chunks: with a fixed k the same speculative step as
+    every other (so a request's steps, and its sampled tokens, do not depend on who else is
+    prefilling); with dynamic k (already batch-dependent) the plain step, one variant fewer."""
+    return 0 if k_max == 0 or dynamic_k else k_max
+
+
+@dataclasses.dataclass(frozen=True)
+class StepVariants:
+    """The jitted programs an engine compiles before it serves (``LLMEngine.warmup``): a decode
+    burst for each candidate k at each slot bucket, a prefill step for each prefill shape, and
+    the slot write."""
+
+    decode: tuple[tuple[int, int], ...]  # (k, slots)
+    prefill: tuple[tuple[int, int], ...]  # (rows, width), run by the prefill_k step
+
+    @property
+    def count(self) -> int:
+        return len(self.decode) + len(self.prefill) + 1  # + the slot write
+
+
+def step_variants(buckets: tuple[int, ...], shapes: tuple[tuple[int, int], ...], k_max: int,
+                  dynamic_k: bool) -> StepVariants:
+    ks = sorted(set(k_candidates(k_max, dynamic_k)) | {prefill_k(k_max, dynamic_k)})
+    return StepVariants(tuple((k, n) for k in ks for n in buckets), tuple(shapes))
+
+
+def memory_budget(free_bytes: int, utilization: float, activation_bytes: int = 0) -> int:
+    """Bytes one device gives the page pool and the token buffer: ``utilization`` of what is free
+    once the weights are in place and a step's activations are set aside (vLLM's
+    ``gpu_memory_utilization``, taken of the free memory). The engine passes what it measures
+    free; :func:`jspec.engine.plan.plan_run` passes a device's size less the weights."""
+    return max(0, int((free_bytes - activation_bytes) * utilization))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineLayout:
     """What an engine holds, derived from its configs (:func:`plan_layout`)."""
@@ -181,6 +226,6 @@ def plan_layout(model: ModelConfig, config: EngineConfig, *, k_max: int = 0,
                         tensor_parallel_size=config.tensor_parallel_size, sized_by_memory=cut)
 
 
-__all__ = ["DEFAULT_PREFILL_TOKENS", "EngineLayout", "MAX_CHUNK", "MIN_CHUNK", "SHAPE_QUANTUM", "batched_tokens",
-           "chunk_widths", "decode_rows", "fit_max_model_len", "full_pool_tokens", "plan_layout", "round_up",
-           "slot_buckets", "slot_tokens"]
+__all__ = ["DEFAULT_PREFILL_TOKENS", "EngineLayout", "MAX_CHUNK", "MIN_CHUNK", "SHAPE_QUANTUM", "StepVariants",
+           "batched_tokens", "chunk_widths", "decode_rows", "fit_max_model_len", "full_pool_tokens", "k_candidates",
+           "memory_budget", "plan_layout", "prefill_k", "round_up", "slot_buckets", "slot_tokens", "step_variants"]

@@ -160,11 +160,29 @@ def load_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
     return open_checkpoint(name_or_path, dtype=dtype).config
 
 
+def read_config(name_or_path: str, dtype: str = "float32") -> ModelConfig:
+    """The config of a model, from whatever there is: a Hugging Face ``config.json`` file alone,
+    a directory with a ``config.json`` (checked against its safetensors headers when it has
+    weights), a GGUF file (its header) or a model name. Reads no tensor data."""
+    _check_dtype(dtype)
+    try:
+        path = Path(os.fspath(name_or_path)).expanduser()
+    except TypeError:
+        raise ConfigError(f"a model is named by a string or a path, got {name_or_path!r}") from None
+    from jspec.loading.hf import config_from_hf, load_hf_config, read_json
+
+    if path.suffix == ".json" and path.is_file():
+        return config_from_hf(read_json(path), str(path), dtype)
+    if path.is_dir() and (path / "config.json").exists() and not any(path.glob("*.safetensors")):
+        return load_hf_config(path, dtype)
+    return load_config(name_or_path, dtype)
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str = "float32",
                tokenizer: bool = True) -> LoadedModel:
     """Load a model by name or path (see the module docstring)."""
     return open_checkpoint(name_or_path, dtype=dtype).load(tokenizer)
 
 
-__all__ = ["DEFAULT_MODEL", "Checkpoint", "LoadedModel", "load_config", "load_model", "open_checkpoint", "resolve",
-           "smollm2_path"]
+__all__ = ["DEFAULT_MODEL", "Checkpoint", "LoadedModel", "load_config", "load_model", "open_checkpoint", "read_config",
+           "resolve", "smollm2_path"]

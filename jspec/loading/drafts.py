@@ -256,6 +256,51 @@ def load_draft(name_or_path: str, target):
     return load_small_llama(path, target, card)
 
 
+def _stored_elements(directory: Path) -> dict[str, int]:
+    """Elements of each floating-point tensor in a directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="np") as h:
+                for name in h.keys():
+                    sl = h.get_slice(name)
+                    if not sl.get_dtype().startswith(("I", "U", "BOOL")):
+                        out[name] = int(np.prod(sl.get_shape(), dtype=np.int64))
+        except Exception as e:  # safetensors raises its own error type on corrupt headers
+            raise CheckpointError(f"{f}: cannot read safetensors header ({str(e)[:200]})") from None
+    return out
+
+
+def drafter_geometry(method: str, name_or_path: str | None, target_config, dtype: str):
+    """(config of the pages the drafter keeps, or None; its parameter count) for a speculative
+    ``method`` over a target of ``target_config``, from headers and cards alone: what
+    :func:`jspec.engine.plan.plan_run` needs. A draft model keeps pages of its own geometry, an
+    EAGLE head (alone or in the hybrid) one layer of the target's; lookup and layer skipping
+    keep none."""
+    import dataclasses
+
+    from jspec.loading import read_config
+
+    if method == "draft":
+        path = resolve_draft_path(name_or_path)
+        if path is not None and path.is_dir() and read_card(path) is not None:
+            config = read_config(str(path / "config.json"), dtype)
+            return config, sum(_stored_elements(path).values())  # the embedding is the target's
+        config = read_config(name_or_path, dtype)
+        return config, config.num_params()
+    if method in ("eagle", "hybrid"):
+        path = resolve_draft_path(name_or_path)
+        if path is None or not path.is_dir():
+            raise CheckpointNotFoundError(f"{name_or_path}: no such EAGLE checkpoint directory")
+        card = read_card(path) or {}
+        vocab = (card.get("draft_vocab") or {}).get("size") or target_config.vocab_size
+        head = sum(_stored_elements(path).values()) + vocab * target_config.hidden_size  # + its LM head rows
+        return dataclasses.replace(target_config, num_layers=1), head
+    return None, 0
+
+
 def export_hf(path: Path, target, out: Path) -> Path:
     """A complete Hugging Face Llama directory of a small-llama draft (embedding and the
     target's tokenizer included) for transformers' assisted generation."""

@@ -12,6 +12,8 @@ bytes_in_use``) is used when it reports one; the CPU backend's memory is the hos
 
 Estimates (bytes):
     :func:`weights_bytes`    parameters in the model's dtype
+    :func:`weights_bytes_per_device`  one device's share of them under tensor parallelism
+    :func:`activation_bytes`  a step's transient memory for a number of token rows
     :func:`kv_cache_bytes`   K and V pages of every layer for ``num_tokens`` token slots
     :func:`token_buffer_bytes`  the int32 token buffer of a batch
 """
@@ -49,6 +51,29 @@ def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: Any = None) -> i
     the batch): ``2 * num_layers * num_kv_heads * head_dim * num_tokens * itemsize``."""
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     return per_token * int(num_tokens) * itemsize(dtype or config.dtype)
+
+
+def weights_bytes_per_device(config: ModelConfig, tp: int = 1, dtype: Any = None) -> int:
+    """One device's share of the parameters under ``tp``-way tensor parallelism: every matrix and
+    the embedding are split over the devices (jspec.parallel's rules), the norms are copied.
+    ``config`` is the one-device config; heads copied to fill ``tp`` (fewer KV heads than
+    devices) count on each device."""
+    if tp == 1:
+        return weights_bytes(config, dtype)
+    from jspec.models.tensor_parallel import tp_config  # here: it imports JAX, which this module does not
+
+    c = tp_config(config, tp)
+    norms = (2 * c.num_layers + 1) * c.hidden_size
+    return -(-(c.num_params() - norms) // tp) * itemsize(dtype or c.dtype) + norms * itemsize(dtype or c.dtype)
+
+
+def activation_bytes(config: ModelConfig, rows: int, tp: int = 1) -> int:
+    """An estimate of one step's transient memory on one device for ``rows`` token rows: the
+    float32 logits (vocabulary split over ``tp``) and one layer's widest intermediates (the
+    residual, the QKV projection, gate and up), which the next layer reuses."""
+    c, size = config, itemsize(config.dtype)
+    per_row = 4 * c.vocab_size // tp + size * (3 * c.hidden_size + (c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) // tp)
+    return int(rows) * per_row
 
 
 def token_buffer_bytes(batch: int, width: int) -> int:
@@ -121,6 +146,23 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} EiB"  # not reached
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"192GiB"``, ``"80 GB"``, ``"1.5TiB"``, ``"123456"`` -> bytes (ValueError otherwise)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 192GiB, 80GB, 64000000000)")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 0 < n < 1 << 62:
+        raise ValueError(f"not a size: {text!r} (must be positive)")
+    return int(n)
+
+
 def check_fits(nbytes: int, what: str, *, device: Any = None, available: Optional[int] = None) -> None:
     """Refuse (:class:`InsufficientMemoryError`) when ``nbytes`` exceed the available memory.
 
@@ -136,5 +178,5 @@ def check_fits(nbytes: int, what: str, *, device: Any = None, available: Optiona
             f"is available{where}")
 
 
-__all__ = ["available_bytes", "check_fits", "format_bytes", "host_available_bytes", "itemsize",
-           "kv_cache_bytes", "token_buffer_bytes", "weights_bytes"]
+__all__ = ["activation_bytes", "available_bytes", "check_fits", "format_bytes", "host_available_bytes", "itemsize",
+           "kv_cache_bytes", "parse_bytes", "token_buffer_bytes", "weights_bytes", "weights_bytes_per_device"]
