@@ -20,7 +20,7 @@ from typing import Optional
 
 from jspec.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
@@ -102,6 +102,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (gains [head_dim]) before RoPE
     architecture: str = "llama"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -140,7 +141,7 @@ class ModelConfig:
             if not all(_is_real(f) and math.isfinite(f) and f > 0 for f in factors):
                 raise ConfigError("rope_freq_factors must be finite numbers > 0")
             object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
-        for name in ("tie_word_embeddings", "qkv_bias"):
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         eos = (self.eos_token_ids,) if _is_int(self.eos_token_ids) else self.eos_token_ids
@@ -171,7 +172,7 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
@@ -43,6 +44,19 @@ def tiny_model(config: ModelConfig | None = None, seed: int = 0, scale: float = 
     return LoadedModel(config, params, None, Path("tiny"), "test")
 
 
+def tiny_qwen3(seed: int = 0, scale: float = 1.0, **kw) -> LoadedModel:
+    """A random Qwen3-style model (per-head q/k RMSNorm) with gains drawn in [0.5, 1.5]."""
+    model = tiny_model(tiny_config(architecture="qwen3", qk_norm=True, **kw), seed=seed, scale=scale)
+    rng = np.random.default_rng(seed)
+
+    def gains(path, x):
+        names = {getattr(k, "key", None) for k in path}
+        return jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype) if names & {"q_norm", "k_norm"} else x
+
+    model.params = jax.tree_util.tree_map_with_path(gains, model.params)
+    return model
+
+
 def hf_config_dict(arch: str = "llama", **kw) -> dict:
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -62,10 +76,16 @@ def write_hf_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, tok
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     cfg = cls_cfg(**hf_config_dict(arch, **config_kw))
     model = cls_model(cfg).eval()
+    if arch == "qwen3":  # gains away from their initial ones, so that a q/k norm mixed up shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     if tokenizer:

@@ -31,6 +31,13 @@ def target():
     return tiny_model(tiny_config(**CONFIG), seed=1, scale=4.0)
 
 
+def qwen3_target():
+    """The same heads as :func:`target`, with Qwen3's per-head q/k norms."""
+    from helpers import tiny_qwen3
+
+    return tiny_qwen3(seed=1, scale=4.0, **CONFIG)
+
+
 def drafter(method: str, model):
     import jax
     import jax.numpy as jnp
@@ -208,6 +215,7 @@ def run_engines() -> dict:
                 rec["control_collectives"] = gathered_cache_collectives(eng)
             out[f"{tp}/{method}"] = rec
             print(f"tp {tp} {method}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
+    out["2/qwen3"] = {"tokens": finish(engine(2, "ngram", qwen3_target()))}
     return out
 
 

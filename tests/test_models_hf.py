@@ -54,6 +54,7 @@ CASES = {
         "original_max_position_embeddings": 16}, rope_theta=500000.0),
     "qwen2-bias": dict(arch="qwen2", num_key_value_heads=1),
     "mistral": dict(arch="mistral", num_key_value_heads=4),
+    "qwen3": dict(arch="qwen3", num_key_value_heads=2, head_dim=16),
 }
 
 
@@ -68,6 +69,8 @@ def test_logits_match_transformers(tmp_path, case):
     assert np.abs(got - want).max() <= ATOL, np.abs(got - want).max()
     if case == "qwen2-bias":
         assert model.config.qkv_bias
+    if case == "qwen3":
+        assert model.config.qk_norm and not model.config.qkv_bias
     if case == "llama3-rope-scaling":
         assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 8.0
 

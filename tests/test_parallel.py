@@ -85,6 +85,12 @@ def test_tp_greedy_tokens_identical_with_and_without_speculation(reference, tp_r
     assert tp_runs["4/self-draft"]["accepted"] > 10
 
 
+def test_tp_qwen3_with_speculation_gives_the_one_device_tokens(tp_runs):
+    """Qwen3's q/k norm gains are copied to every device; tp 2 with n-gram speculation decodes
+    what one device decodes without it."""
+    assert tp_runs["2/qwen3"]["tokens"] == ph.finish(ph.engine(1, "none", ph.qwen3_target()))
+
+
 def test_params_and_cache_carry_the_rules_shardings(tp_runs):
     for key in ("2/none", "2/draft", "2/eagle", "4/none", "4/self-draft", "4/eagle"):
         rep = tp_runs[key]["shardings"]

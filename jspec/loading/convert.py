@@ -63,6 +63,8 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     return shapes
 
 
@@ -162,6 +164,9 @@ def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoin
         if cfg.qkv_bias:
             layer["self_attn"]["qkv_proj"]["bias"] = dev(np.concatenate([take(p + f"self_attn.{x}_proj.bias")
                                                                          for x in "qkv"]))
+        if cfg.qk_norm:
+            for x in "qk":
+                layer["self_attn"][f"{x}_norm"] = {"scale": dev(take(p + f"self_attn.{x}_norm.weight"))}
         layer["input_layernorm"] = {"scale": dev(take(p + "input_layernorm.weight"))}
         layer["post_attention_layernorm"] = {"scale": dev(take(p + "post_attention_layernorm.weight"))}
         params[f"layers_{n}"] = layer
@@ -268,6 +273,9 @@ def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
             b = f(lp["self_attn"]["qkv_proj"]["bias"])
             out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = b[:q], b[q:q + kv]
             out[p + "self_attn.v_proj.bias"] = b[q + kv:]
+        if cfg.qk_norm:
+            for x in "qk":
+                out[p + f"self_attn.{x}_norm.weight"] = f(lp["self_attn"][f"{x}_norm"]["scale"])
         out[p + "self_attn.o_proj.weight"] = f(lp["self_attn"]["o_proj"]["kernel"]).T
         gu = f(lp["mlp"]["gate_up_proj"]["kernel"]).T
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gu[:i], gu[i:]

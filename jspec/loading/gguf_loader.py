@@ -83,7 +83,7 @@ class GGUFFile:
         self.arch = arch["general.architecture"]
         if self.arch not in schema.GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {self.arch!r} "
-                                        "(jspec runs llama, qwen2 and mistral)")
+                                        "(jspec reads llama, qwen2 and mistral GGUF files)")
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)

@@ -48,7 +48,7 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {model_type!r} "
-            f"(architectures={d.get('architectures')}); jspec runs llama, qwen2 and mistral")
+            f"(architectures={d.get('architectures')}); jspec runs llama, qwen2, qwen3 and mistral")
     c = schema.check(d, schema.HF_CONFIG, source)
     if c["hidden_act"] != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {c['hidden_act']!r} is not silu")
@@ -90,6 +90,7 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
             max_position_embeddings=max_pos,
             tie_word_embeddings=c["tie_word_embeddings"],
             qkv_bias=model_type == "qwen2" or c["attention_bias"],
+            qk_norm=model_type == "qwen3",
             architecture=model_type,
             bos_token_id=c["bos_token_id"],
             eos_token_ids=eos or (),
@@ -199,10 +200,11 @@ def load_hf_params(directory: Path, config: ModelConfig, tensors: Optional[Safet
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-    """A Hugging Face ``config.json`` for ``cfg`` (Llama or Qwen2; the inverse of config_from_hf)."""
+    """A Hugging Face ``config.json`` for ``cfg`` (Llama, Qwen2 or Qwen3; the inverse of config_from_hf)."""
+    arch = cfg.architecture if cfg.architecture in ("qwen2", "qwen3") else "llama"
     d = {
-        "architectures": ["Qwen2ForCausalLM" if cfg.architecture == "qwen2" else "LlamaForCausalLM"],
-        "model_type": "qwen2" if cfg.architecture == "qwen2" else "llama",
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
+        "model_type": arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,

@@ -11,7 +11,7 @@ Sizes are capped at int32 (they travel as int32 on the device); what a file *can
 checked later against its tensors (:func:`jspec.loading.convert.check_checkpoint`).
 
 Tables:
-    HF_CONFIG          Hugging Face ``config.json`` (llama, qwen2, mistral)
+    HF_CONFIG          Hugging Face ``config.json`` (llama, qwen2, qwen3, mistral)
     HF_ROPE_LLAMA3     its ``rope_scaling`` block when ``rope_type`` is ``llama3``
     GENERATION_CONFIG  ``generation_config.json`` (only the fields jspec reads)
     SAFETENSORS_INDEX  ``model.safetensors.index.json``

@@ -180,10 +180,10 @@ class Attention(llama.Attention):
         cfg = self.config
         qkv = self.qkv_proj(x, norm=norm)  # [M, (Hq + 2 KVH) D]
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
-            q, k, v = qkv_heads(cfg, qkv, metas.positions.shape, metas.positions)
+            q, k, v = qkv_heads(cfg, qkv, metas.positions.shape, metas.positions, self.qk_norms)
             out = self.o_proj(metas.attend(q, k, v).reshape(-1, cfg.q_size), residual=residual)
             return (out, k, v) if mlp is None else (out, k, v, False)
-        qs, ks, vs = segment_qkv(cfg, qkv, metas)
+        qs, ks, vs = segment_qkv(cfg, qkv, metas, self.qk_norms)
         if mlp is not None:
             o_w = self.variables["params"]["o_proj"].get("weight")
             if self._tail_fuses(metas, qs[0], k_pages, residual, o_w, mlp):
@@ -265,8 +265,9 @@ def _packed_projections(p) -> Optional[list]:
 
 def _one_kernel_step(cfg: ModelConfig, attention: str, metas) -> bool:
     """Whether a step's rows can go through pallas_kernels.cpu.layer_tail's calls: one segment of
-    rows the cpu attention's kernel takes, on one device."""
-    return (not isinstance(metas, DenseContext) and len(metas) == 1 and attention == "cpu"
+    rows the cpu attention's kernel takes, on one device, without per-head q/k norms (the kernels
+    rotate the raw projection)."""
+    return (not isinstance(metas, DenseContext) and len(metas) == 1 and attention == "cpu" and not cfg.qk_norm
             and cfg.tensor_parallel == 1 and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
 
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) in Flax, on a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) in Flax, on a paged KV cache.
 
 RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query attention through the
 verification-attention contract, SwiGLU MLP, tied or untied embeddings, optional QKV bias.
@@ -170,23 +170,27 @@ def _split(x: jax.Array, metas) -> list[jax.Array]:
     return out
 
 
-def qkv_heads(cfg: ModelConfig, qkv: jax.Array, shape: tuple[int, ...], positions: jax.Array):
+def qkv_heads(cfg: ModelConfig, qkv: jax.Array, shape: tuple[int, ...], positions: jax.Array, qk_norms=None):
     """The fused QKV product's columns [..., (Hq + 2 KVH) D] (grouped per device: [tp, (Hq/tp +
-    2 KVH/tp) D]) -> q, k rotated to ``positions`` [*shape] and v, each [*shape, heads, D]."""
+    2 KVH/tp) D]) -> q, k rotated to ``positions`` [*shape] and v, each [*shape, heads, D].
+    ``qk_norms``: (q norm, k norm) applied to each head before the rotation (Qwen3), or None."""
     tp = cfg.tensor_parallel
     inv_freq = rope_inv_freq(cfg)
     q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
     part = qkv.reshape(*shape, tp, q_cols + 2 * kv_cols)
     q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
-    return (apply_rope(q.reshape(*shape, cfg.num_heads, cfg.head_dim), positions, inv_freq, tp),
-            apply_rope(k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq, tp, "kv_heads"),
+    q, k = q.reshape(*shape, cfg.num_heads, cfg.head_dim), k.reshape(*shape, cfg.num_kv_heads, cfg.head_dim)
+    if qk_norms is not None:
+        q, k = qk_norms[0](q), qk_norms[1](k)
+    return (apply_rope(q, positions, inv_freq, tp), apply_rope(k, positions, inv_freq, tp, "kv_heads"),
             v.reshape(*shape, cfg.num_kv_heads, cfg.head_dim))
 
 
-def segment_qkv(cfg: ModelConfig, qkv: jax.Array, metas) -> tuple[tuple, tuple, tuple]:
+def segment_qkv(cfg: ModelConfig, qkv: jax.Array, metas, qk_norms=None) -> tuple[tuple, tuple, tuple]:
     """The QKV product of every segment's rows [M, (Hq + 2 KVH) D] -> (qs, ks, vs), per segment
-    [Bs, Ts, heads, D], q and k rotated to the segment's positions."""
-    return tuple(zip(*[qkv_heads(cfg, part, m.shape, m.positions) for m, part in zip(metas, _split(qkv, metas))]))
+    [Bs, Ts, heads, D], q and k rotated to the segment's positions (``qk_norms``: as qkv_heads)."""
+    return tuple(zip(*[qkv_heads(cfg, part, m.shape, m.positions, qk_norms)
+                       for m, part in zip(metas, _split(qkv, metas))]))
 
 
 def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pages, v_pages):
@@ -256,6 +260,14 @@ class Attention(nn.Module):
         # columns grouped per device: [tp, (Hq/tp + 2 KVH/tp) D] (tp = 1: [Q | K | V])
         self.qkv_proj = self.linear_cls(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = self.linear_cls(cfg.hidden_size, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps, dtype)
+
+    @property
+    def qk_norms(self):
+        """(q norm, k norm) of a Qwen3 layer, else None."""
+        return (self.q_norm, self.k_norm) if self.config.qk_norm else None
 
     def __call__(self, x, metas, k_pages, v_pages):
         """x [M, H]: the rows of every segment (``metas``), or of a :class:`DenseContext`.
@@ -263,9 +275,9 @@ class Attention(nn.Module):
         cfg = self.config
         qkv = self.qkv_proj(x)  # [M, (Hq + 2 KVH) D]
         if isinstance(metas, DenseContext):  # training: no pages, the context's own mask
-            q, k, v = qkv_heads(cfg, qkv, metas.positions.shape, metas.positions)
+            q, k, v = qkv_heads(cfg, qkv, metas.positions.shape, metas.positions, self.qk_norms)
             return self.o_proj(metas.attend(q, k, v).reshape(-1, cfg.q_size)), k, v
-        qs, ks, vs = segment_qkv(cfg, qkv, metas)
+        qs, ks, vs = segment_qkv(cfg, qkv, metas, self.qk_norms)
         o, k_pages, v_pages = write_and_attend(cfg, self.attention, metas, qs, ks, vs, k_pages, v_pages)
         return self.o_proj(o), k_pages, v_pages
 
