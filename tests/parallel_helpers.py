@@ -38,6 +38,24 @@ def qwen3_target():
     return tiny_qwen3(seed=1, scale=4.0, **CONFIG)
 
 
+def published_eagle3_engine(tp: int, speculate: bool = True):
+    """A three-layer target with a published-layout EAGLE-3 head reading all three layers."""
+    from helpers import published_eagle3_params, tiny_config, tiny_model
+    from jspec.config import EngineConfig, SamplingParams
+    from jspec.engine.engine import LLMEngine
+    from jspec.speculative.drafters.eagle import EagleDrafter
+
+    model = tiny_model(tiny_config(**dict(CONFIG, num_layers=3)), seed=2, scale=4.0)
+    d, dp = (EagleDrafter(3, model.config, feature_layers=(0, 1, 2)), published_eagle3_params(model)) if speculate \
+        else (None, None)
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                                        kv_cache_tokens=192, attention="reference", tensor_parallel_size=tp),
+                    drafter=d, drafter_params=dp)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return eng
+
+
 def drafter(method: str, model):
     import jax
     import jax.numpy as jnp
@@ -216,6 +234,7 @@ def run_engines() -> dict:
             out[f"{tp}/{method}"] = rec
             print(f"tp {tp} {method}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
     out["2/qwen3"] = {"tokens": finish(engine(2, "ngram", qwen3_target()))}
+    out["2/published-eagle3"] = {"tokens": finish(published_eagle3_engine(2))}
     return out
 
 

@@ -91,6 +91,12 @@ def test_tp_qwen3_with_speculation_gives_the_one_device_tokens(tp_runs):
     assert tp_runs["2/qwen3"]["tokens"] == ph.finish(ph.engine(1, "none", ph.qwen3_target()))
 
 
+def test_tp_published_eagle3_head_gives_the_one_device_tokens(tp_runs):
+    """A published-layout EAGLE-3 head sharded with its target (attention and MLP regrouped per
+    device): tp 2 speculative tokens equal one device's plain greedy tokens."""
+    assert tp_runs["2/published-eagle3"]["tokens"] == ph.finish(ph.published_eagle3_engine(1, speculate=False))
+
+
 def test_params_and_cache_carry_the_rules_shardings(tp_runs):
     for key in ("2/none", "2/draft", "2/eagle", "4/none", "4/self-draft", "4/eagle"):
         rep = tp_runs[key]["shardings"]

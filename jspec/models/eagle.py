@@ -38,6 +38,7 @@ layer with the target's dimensions), ``norm/scale``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 from jspec import attention as attention_lib
 from jspec.cache.paged import PagedKVCache, init_cache
 from jspec.config import ModelConfig
-from jspec.models.llama import DecoderLayer, DenseContext, Linear, RMSNorm, Segment, segment_meta
+from jspec.models.llama import MLP, Attention, DecoderLayer, DenseContext, Linear, RMSNorm, Segment, segment_meta
 
 
 class HeadOutput(NamedTuple):
@@ -100,9 +101,67 @@ class EagleHead(nn.Module):
         return HeadOutput(normed, h if self.num_features else normed, new_context)
 
 
+class PublishedEagle3Head(nn.Module):
+    """The EAGLE-3 head as its authors, SpecForge and vLLM publish it (``LlamaForCausalLMEagle3``),
+    for heads trained elsewhere. Entry t takes token t's embedding and g_{t-1}: ``fc`` [3H] -> [H]
+    of the target's three features (no bias, no normalisation first) or, when chaining, the
+    head's own previous output h_{t-1}; its attention reads both, normalised apart, side by side:
+
+        x_t = [input_layernorm(embed(token_t)); hidden_norm(g_{t-1})]        [2H]
+        a_t = g_{t-1} + o_proj(attention(qkv_proj(x_t)))                      q/k/v read 2H
+        h_t = a_t + mlp(post_attention_layernorm(a_t))
+        logits_t = norm(h_t) @ lm_head^T                                       its own draft-vocabulary head
+
+    The three features are the residual stream entering the target's layers (2, L/2, L - 3) by
+    default, i.e. leaving layers (1, L/2 - 1, L - 4): jspec's ``feature_layers`` count the latter
+    (:func:`jspec.loading.eagle_formats.read_published_eagle3`). ``config``: the target's, with
+    the head's MLP width. Parameters: ``fc``, ``input_layernorm``, ``hidden_norm``,
+    ``self_attn`` (fused ``qkv_proj`` [2H, (Hq + 2 KVH) D], ``o_proj``),
+    ``post_attention_layernorm``, ``mlp`` (fused ``gate_up_proj``, ``down_proj``), ``norm``."""
+
+    config: ModelConfig
+    attention: str = "reference"
+
+    @nn.compact
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+        cfg = self.config
+        dtype, eps = jnp.dtype(cfg.dtype), cfg.rms_norm_eps
+        b, t = embeds.shape[:2]
+        g = prev.astype(embeds.dtype)
+        if not fused:
+            g = Linear(cfg.hidden_size, dtype=dtype, name="fc")(g)
+        g = g.reshape(b * t, -1)
+        x = jnp.concatenate([RMSNorm(eps, dtype, name="input_layernorm")(embeds.reshape(b * t, -1)),
+                             RMSNorm(eps, dtype, name="hidden_norm")(g)], axis=-1)
+        attention = Attention(cfg, self.attention, name="self_attn")
+        if isinstance(context, DenseContext):
+            a, k, v = attention(x, context, None, None)
+            new_context = (k, v)
+        else:
+            meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), context)
+            a, k, v = attention(x, (meta,), context.k_pages[0], context.v_pages[0])
+            lengths = (context.lengths + q_lens if rows is None
+                       else context.lengths.at[rows].add(q_lens, mode="drop"))
+            new_context = context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+        h = g + a
+        h = h + MLP(cfg, name="mlp")(RMSNorm(eps, dtype, name="post_attention_layernorm")(h))
+        h = h.reshape(b, t, -1)
+        return HeadOutput(RMSNorm(eps, dtype, name="norm")(h), h, new_context)
+
+
+def is_published_eagle3(head_params) -> bool:
+    """Whether head parameters are a :class:`PublishedEagle3Head`'s (else an :class:`EagleHead`'s)."""
+    return "hidden_norm" in head_params
+
+
 @functools.lru_cache(maxsize=None)
 def _module(config: ModelConfig, attention: str, num_features: int = 0, head_cls: type = EagleHead) -> EagleHead:
     return head_cls(config, attention_lib.resolve(attention), num_features)
+
+
+@functools.lru_cache(maxsize=None)
+def _published_module(config: ModelConfig, attention: str) -> PublishedEagle3Head:
+    return PublishedEagle3Head(config, attention_lib.resolve(attention))
 
 
 def num_features_of(head_params) -> int:
@@ -118,7 +177,14 @@ def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKV
                   attention: str = "reference", rows=None, fused: bool = False, *,
                   head_cls: type = EagleHead) -> HeadOutput:
     """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`). ``head_cls``:
-    :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``)."""
+    :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``).
+    Parameters of a published EAGLE-3 head run :class:`PublishedEagle3Head` (the plain modules,
+    on every path), at the MLP width they have."""
+    if is_published_eagle3(head_params):
+        width = head_params["mlp"]["down_proj"]["kernel"].shape[0]
+        module = _published_module(dataclasses.replace(config, intermediate_size=width), attention)
+        with jax.named_scope("eagle_head"):
+            return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
     with jax.named_scope("eagle_head"):
         return _module(config, attention, num_features_of(head_params), head_cls).apply(
             {"params": head_params}, embeds, prev, cache, q_lens, rows, fused)

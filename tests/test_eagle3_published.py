@@ -1,0 +1,226 @@
+"""EAGLE-3 heads as others publish them (the EAGLE authors, SpecForge, vLLM's ``speculators``):
+the head against a PyTorch implementation written here from the published architecture, the
+target features the head reads against transformers' hidden states, both layouts loading to the
+same parameters, lossless speculation with such a head, and bad layouts refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jspec
+from helpers import write_hf_checkpoint
+from jspec.config import SamplingParams, SpecConfig
+from jspec.errors import CheckpointError, DraftMismatchError, UnsupportedModelError
+from jspec.loading.drafts import read_eagle, save_tensors
+from jspec.loading.eagle_formats import read_published_eagle3, write_published_eagle3
+from jspec.models.eagle import eagle_forward
+from jspec.models.llama import DenseContext, forward
+
+LAYERS = 8  # the head reads the stream entering layers 2, 4 and 5
+DRAFT_VOCAB = 200
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, theta):  # [T, heads, D], rotate-half convention, positions 0..T-1
+    t, _, d = x.shape
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None], torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class TorchEagle3(torch.nn.Module):
+    """The published EAGLE-3 head (one sequence, causal attention), named as its checkpoints are."""
+
+    def __init__(self, h, heads, kv_heads, head_dim, inter, vocab, eps, theta):
+        super().__init__()
+        L = torch.nn.Linear  # noqa: N806
+        self.h, self.heads, self.kv_heads, self.d, self.eps, self.theta = h, heads, kv_heads, head_dim, eps, theta
+        self.fc = L(3 * h, h, bias=False)
+        m = torch.nn.Module()
+        m.self_attn = torch.nn.Module()
+        m.self_attn.q_proj, m.self_attn.k_proj = L(2 * h, heads * head_dim, bias=False), L(2 * h, kv_heads * head_dim, bias=False)
+        m.self_attn.v_proj, m.self_attn.o_proj = L(2 * h, kv_heads * head_dim, bias=False), L(heads * head_dim, h, bias=False)
+        m.mlp = torch.nn.Module()
+        m.mlp.gate_proj, m.mlp.up_proj, m.mlp.down_proj = L(h, inter, bias=False), L(h, inter, bias=False), L(inter, h, bias=False)
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            setattr(m, name, torch.nn.Module())
+            getattr(m, name).weight = torch.nn.Parameter(torch.empty(h).uniform_(0.5, 1.5))
+        self.midlayer = m
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.empty(h).uniform_(0.5, 1.5))
+        self.lm_head = L(h, vocab, bias=False)
+
+    def forward(self, embeds, prev, chained=False):  # [T, H], [T, 3H] (or [T, H] chained)
+        m, t = self.midlayer, embeds.shape[0]
+        g = prev if chained else self.fc(prev)
+        x = torch.cat([_rms(embeds, m.input_layernorm.weight, self.eps), _rms(g, m.hidden_norm.weight, self.eps)], -1)
+        q = _rope(m.self_attn.q_proj(x).view(t, self.heads, self.d), self.theta)
+        k = _rope(m.self_attn.k_proj(x).view(t, self.kv_heads, self.d), self.theta)
+        v = m.self_attn.v_proj(x).view(t, self.kv_heads, self.d)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.einsum("thd,shd->hts", q, k) / math.sqrt(self.d)
+        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        a = m.self_attn.o_proj(torch.einsum("hts,shd->thd", s.softmax(-1), v).reshape(t, -1))
+        hidden = g + a
+        y = _rms(hidden, m.post_attention_layernorm.weight, self.eps)
+        hidden = hidden + m.mlp.down_proj(torch.nn.functional.silu(m.mlp.gate_proj(y)) * m.mlp.up_proj(y))
+        return self.lm_head(_rms(hidden, self.norm.weight, self.eps)), hidden
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = write_hf_checkpoint(tmp_path_factory.mktemp("t") / "target", "llama", seed=2, num_hidden_layers=LAYERS)
+    return d, jspec.load_model(str(d))
+
+
+def _torch_head(cfg, seed=0):
+    torch.manual_seed(seed)
+    return TorchEagle3(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 96, DRAFT_VOCAB,
+                       cfg.rms_norm_eps, cfg.rope_theta).eval()
+
+
+def _save_eagle_layout(directory, head, cfg, vocab_ids):
+    """As the EAGLE authors' and SpecForge's checkpoints: state-dict names, d2t and t2d, config."""
+    tensors = {k: v.detach().numpy() for k, v in head.state_dict().items()}
+    tensors["d2t"] = np.asarray(vocab_ids, np.int64) - np.arange(len(vocab_ids))
+    tensors["t2d"] = np.isin(np.arange(cfg.vocab_size), vocab_ids)
+    directory.mkdir(parents=True)
+    save_tensors(directory / "model.safetensors", tensors, {"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": 96,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": len(vocab_ids)}))
+    return directory
+
+
+def _causal(q, k, v):  # DenseContext attention: [B, T, heads, D], causal, grouped KV heads
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    t = q.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
+
+
+def test_the_head_matches_the_published_architecture(target, tmp_path):
+    """Logits and chained outputs of the loaded head equal the PyTorch head's, from target
+    features and chained on its own output."""
+    _, model = target
+    cfg = model.config
+    head = _torch_head(cfg)
+    vocab_ids = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, DRAFT_VOCAB, replace=False))
+    params, layers = read_eagle(str(_save_eagle_layout(tmp_path / "h", head, cfg, vocab_ids)), model)
+    assert layers == (1, 3, 4)
+    np.testing.assert_array_equal(np.asarray(params["vocab_ids"]), vocab_ids)
+    rng = np.random.default_rng(1)
+    t = 9
+    embeds, feats = rng.normal(size=(t, cfg.hidden_size)), rng.normal(size=(t, 3 * cfg.hidden_size)) * 3
+    ctx = DenseContext(jnp.arange(t)[None], _causal)
+    with torch.no_grad():
+        want_logits, want_h = head(torch.tensor(embeds, dtype=torch.float32), torch.tensor(feats, dtype=torch.float32))
+        chain_logits, _ = head(torch.tensor(embeds, dtype=torch.float32), want_h, chained=True)
+    out = eagle_forward(params["head"], cfg, jnp.asarray(embeds, jnp.float32)[None], jnp.asarray(feats, jnp.float32)[None],
+                        ctx, None)
+    np.testing.assert_allclose(np.asarray(out.normed[0] @ params["lm_head"].T), want_logits.numpy(), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(out.chained[0]), want_h.numpy(), atol=2e-4)
+    again = eagle_forward(params["head"], cfg, jnp.asarray(embeds, jnp.float32)[None], out.chained, ctx, None,
+                          fused=True)
+    np.testing.assert_allclose(np.asarray(again.normed[0] @ params["lm_head"].T), chain_logits.numpy(), atol=2e-4)
+
+
+def test_the_features_are_the_stream_entering_layers_2_l2_and_l3(target):
+    """What jspec hands the head (the stream leaving feature layers 1, 3, 4) is what
+    transformers' hidden_states[2], [4], [5] hold: the input of those layers."""
+    from jspec.cache import init_cache
+    from transformers import AutoModelForCausalLM
+
+    directory, model = target
+    ids = [int(x) for x in np.random.default_rng(3).integers(2, 300, 11)]
+    with torch.no_grad():
+        hs = AutoModelForCausalLM.from_pretrained(str(directory)).eval()(torch.tensor([ids]),
+                                                                         output_hidden_states=True).hidden_states
+    want = torch.cat([hs[2], hs[4], hs[5]], -1)[0].numpy()
+    cfg = model.config
+    cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.arange(1)[None], 1, 16)
+    out = forward(model.params, cfg, jnp.asarray([ids], jnp.int32), cache, jnp.asarray([len(ids)], jnp.int32),
+                  attention="reference", feature_layers=(1, 3, 4))
+    np.testing.assert_allclose(np.asarray(out.hidden[0]), want, atol=1e-4)
+
+
+def test_both_layouts_load_the_same_and_speculation_stays_lossless(target, tmp_path):
+    _, model = target
+    cfg = model.config
+    vocab_ids = np.sort(np.random.default_rng(5).choice(cfg.vocab_size, DRAFT_VOCAB, replace=False))
+    params, layers = read_eagle(str(_save_eagle_layout(tmp_path / "src", _torch_head(cfg, 4), cfg, vocab_ids)), model)
+    loaded = {}
+    for layout in ("eagle", "speculators"):
+        d = write_published_eagle3(tmp_path / layout, params["head"], params["lm_head"], params["vocab_ids"], cfg,
+                                   layers, layout)
+        loaded[layout] = read_published_eagle3(d, model)
+        assert loaded[layout][1] == layers
+        for a, b in zip(jax.tree_util.tree_leaves(loaded[layout][0]), jax.tree_util.tree_leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    names = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert names["speculators_model_type"] == "eagle3"
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 7, 40, 41]]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = jspec.generate(model, prompts, sp, attention="reference").token_ids
+    for spec in (SpecConfig("eagle", num_speculative_tokens=3, draft=str(tmp_path / "speculators")),
+                 SpecConfig("hybrid", num_speculative_tokens=3, draft=str(tmp_path / "eagle"))):
+        out = jspec.generate(model, prompts, sp, spec=spec, attention="reference")
+        assert out.token_ids == plain and out.proposed_counts[0] > 0  # the head drafted, and was verified
+
+
+def test_bad_layouts_are_refused_by_name(target, tmp_path):
+    _, model = target
+    cfg = model.config
+    vocab_ids = np.arange(DRAFT_VOCAB)
+    good = _save_eagle_layout(tmp_path / "good", _torch_head(cfg), cfg, vocab_ids)
+    from jspec.loading.drafts import load_tensors
+
+    def variant(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((good / "config.json").read_text())
+        tensors = load_tensors(good / "model.safetensors")
+        change(tensors)
+        save_tensors(d / "model.safetensors", tensors)
+        return str(d)
+
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) midlayer.hidden_norm.weight"):
+        read_eagle(variant("missing", lambda t: t.pop("midlayer.hidden_norm.weight")), model)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) midlayer.extra.weight"):
+        read_eagle(variant("extra", lambda t: t.update({"midlayer.extra.weight": np.zeros(3, np.float32)})), model)
+    with pytest.raises(DraftMismatchError, match="fc.weight has shape"):
+        read_eagle(variant("shape", lambda t: t.update({"fc.weight": np.zeros((cfg.hidden_size, 2), np.float32)})),
+                   model)
+    with pytest.raises(DraftMismatchError, match="d2t maps"):
+        read_eagle(variant("d2t", lambda t: t.update({"d2t": np.full(DRAFT_VOCAB, cfg.vocab_size, np.int64)})), model)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((good / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(UnsupportedModelError, match="convert it in that directory first: python -c"):
+        read_eagle(str(pickled), model)
+    other = json.loads((good / "config.json").read_text())
+    other["num_key_value_heads"] = cfg.num_kv_heads * 2
+    (tmp_path / "geometry").mkdir()
+    (tmp_path / "geometry" / "config.json").write_text(json.dumps(other))
+    with pytest.raises(DraftMismatchError, match="num_key_value_heads"):
+        read_eagle(str(tmp_path / "geometry"), model)
+    with pytest.raises(CheckpointError, match="neither a jspec head"):
+        read_eagle(str(tmp_path), model)
