@@ -85,13 +85,14 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
 
 
 def _check_concrete_lens(kv_lens, q_lens, t, capacity) -> None:
-    """Value checks, only where the lengths are concrete (not traced inside jit)."""
-    try:
-        # np.asarray raises for tracers (jax.device_get returns them unchanged under jit).
-        kv = np.asarray(jax.device_get(kv_lens))
-        ql = None if q_lens is None else np.asarray(jax.device_get(q_lens))
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    """Value checks, only where the lengths are concrete (not traced inside jit). A tracer is
+    recognised by its type, not by the error converting it raises: JAX builds that error's
+    message by walking the whole trace so far, which made tracing a model quadratic in its
+    layers (an 80-layer decode step took 8.4 s to trace instead of 2.4 s)."""
+    if isinstance(kv_lens, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer):
         return
+    kv = np.asarray(jax.device_get(kv_lens))
+    ql = None if q_lens is None else np.asarray(jax.device_get(q_lens))
     if (kv > capacity).any():
         raise ValueError(f"kv_lens {kv.tolist()} exceed the block table capacity {capacity}")
     if ql is not None:
