@@ -26,7 +26,8 @@ def _gguf_name(hf):
                      ("attn_q.weight", "self_attn.q_proj.weight"), ("attn_k.weight", "self_attn.k_proj.weight"),
                      ("attn_v.weight", "self_attn.v_proj.weight"), ("attn_output.weight", "self_attn.o_proj.weight"),
                      ("ffn_gate.weight", "mlp.gate_proj.weight"), ("ffn_up.weight", "mlp.up_proj.weight"),
-                     ("ffn_down.weight", "mlp.down_proj.weight")]:
+                     ("ffn_down.weight", "mlp.down_proj.weight"), ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+                     ("attn_k_norm.weight", "self_attn.k_norm.weight")]:
             if hf == f"model.layers.{n}.{h}":
                 return f"blk.{n}.{g}"
     raise KeyError(hf)
@@ -48,6 +49,8 @@ def write_gguf(path, hf_dir, qtype_name="F32", arch="llama", kquant_bytes=None):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_context_length(cfg.max_position_embeddings)
@@ -58,9 +61,10 @@ def write_gguf(path, hf_dir, qtype_name="F32", arch="llama", kquant_bytes=None):
     for name in sorted(src.keys()):
         x = np.asarray(src.get(name), np.float32)
         g = _gguf_name(name)
-        if name.endswith("q_proj.weight"):
+        permuted = arch in ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these only
+        if permuted and name.endswith("q_proj.weight"):
             x = _permute(x, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             x = _permute(x, cfg.num_kv_heads)
         if x.ndim == 1 or qtype_name == "F32":
             w.add_tensor(g, x)
@@ -79,9 +83,9 @@ def write_gguf(path, hf_dir, qtype_name="F32", arch="llama", kquant_bytes=None):
             qx = gguf.quants.quantize(x, qtype)
             w.add_tensor(g, qx, raw_shape=qx.shape, raw_dtype=qtype)
             deq = gguf.quants.dequantize(qx, qtype)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             deq = _permute_back(deq, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             deq = _permute_back(deq, cfg.num_kv_heads)
         expected[name] = deq
     w.write_header_to_file()
@@ -130,6 +134,27 @@ def test_gguf_k_quants(tmp_path, hf_dir, qtype, scale_offsets):
         assert got[name].shape == want.shape
         np.testing.assert_array_equal(got[name], want, err_msg=name)
         assert np.isfinite(got[name]).all()
+
+
+def test_qwen3_gguf_loads_as_its_safetensors(tmp_path):
+    """llama.cpp's qwen3 layout (per-head q/k norms, Q/K rows not permuted, key_length given):
+    the same config and logits as the Hugging Face directory it came from."""
+    import jax.numpy as jnp
+
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    src = write_hf_checkpoint(tmp_path / "q3", "qwen3", tokenizer=False, vocab_size=256, hidden_size=64,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    write_gguf(tmp_path / "q3.gguf", src, arch="qwen3")
+    a, b = jspec.load_model(str(src), tokenizer=False), jspec.load_model(str(tmp_path / "q3.gguf"), tokenizer=False)
+    assert b.config.architecture == "qwen3" and b.config.qk_norm and b.config.head_dim == 32
+    cfg = a.config
+    ids = jnp.asarray([[5, 9, 13, 2, 77, 140, 3]], jnp.int32)
+    logits = [forward(m.params, m.config, ids, init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                          jnp.arange(1)[None], 1, 16),
+                      jnp.asarray([7], jnp.int32), attention="reference").logits for m in (a, b)]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=1e-5)
 
 
 def test_name_mapping():

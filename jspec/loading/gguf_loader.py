@@ -29,6 +29,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -83,7 +85,7 @@ class GGUFFile:
         self.arch = arch["general.architecture"]
         if self.arch not in schema.GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {self.arch!r} "
-                                        "(jspec reads llama, qwen2 and mistral GGUF files)")
+                                        "(jspec reads llama, qwen2, qwen3 and mistral GGUF files)")
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -125,6 +127,7 @@ class GGUFFile:
                 max_position_embeddings=m[a + "context_length"],
                 tie_word_embeddings="output.weight" not in self.tensors,
                 qkv_bias="blk.0.attn_q.bias" in self.tensors,
+                qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
                 architecture="llama" if self.arch == "mistral" else self.arch,
                 bos_token_id=m["tokenizer.ggml.bos_token_id"],
                 eos_token_ids=() if eos is None else (eos,),

@@ -257,7 +257,7 @@ def hf_rope(c: dict, source: str) -> Optional[dict]:
 
 # ----------------------------------------------------------------------------- GGUF
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def gguf_fields(arch: str) -> tuple[Field, ...]:
