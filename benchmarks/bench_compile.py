@@ -9,7 +9,7 @@ burst program the engine runs for a decode step (the plain step at ``--slots`` s
 verification step (n-gram drafts, k = ``--k``), each lowered from ``jax.ShapeDtypeStruct``
 parameters and state (``jax.jit(...).lower(...)``) and compiled for this machine's backend, with
 the seconds of lowering and of compiling apart. XLA's compilation cache is off for the run, so
-every number is a cold compile.
+every number is a cold compile. ``--lower-only``: trace and lower only.
 """
 
 from __future__ import annotations
@@ -45,14 +45,15 @@ def abstract_inputs(cfg, slots: int, max_len: int, k: int, drafter=None):
     return params, state, tables, spec_k, np.int32(1), np.bool_(False)
 
 
-def time_step(step, cfg, slots: int, max_len: int, k: int, drafter=None) -> dict:
+def time_step(step, cfg, slots: int, max_len: int, k: int, drafter=None, compile_too: bool = True) -> dict:
     from jspec.engine.runner import run_burst
 
     params, state, tables, spec_k, limit, stop = abstract_inputs(cfg, slots, max_len, k, drafter)
     t0 = time.perf_counter()
     lowered = run_burst.lower(step, params, None, state, tables, spec_k, None, limit, stop)
     t1 = time.perf_counter()
-    lowered.compile()
+    if compile_too:
+        lowered.compile()
     t2 = time.perf_counter()
     return {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2)}
 
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--lower-only", action="store_true", help="trace and lower, do not compile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -84,12 +86,13 @@ def main() -> None:
             for kind, step, k, d in (("decode", PlainStep(cfg, eos, "reference"), 0, None),
                                      ("verify", SpecStep(cfg, eos, "reference", drafter), args.k, drafter)):
                 rec = {"config": name, "layers": n, "hidden": cfg.hidden_size, "step": kind, "slots": args.slots,
-                       "k": k, **time_step(step, cfg, args.slots, args.max_model_len, k, d)}
+                       "k": k, **time_step(step, cfg, args.slots, args.max_model_len, k, d, not args.lower_only)}
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
     result = {"machine": common.machine(), "commit": common.git_rev(), "backend": jax.default_backend(),
               "command": "python benchmarks/bench_compile.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if v not in (None, False) and k != "json").replace(" True", ""),
               "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

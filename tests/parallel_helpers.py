@@ -41,19 +41,11 @@ def qwen3_target():
 def published_eagle3_engine(tp: int, speculate: bool = True):
     """A three-layer target with a published-layout EAGLE-3 head reading all three layers."""
     from helpers import published_eagle3_params, tiny_config, tiny_model
-    from jspec.config import EngineConfig, SamplingParams
-    from jspec.engine.engine import LLMEngine
     from jspec.speculative.drafters.eagle import EagleDrafter
 
     model = tiny_model(tiny_config(**dict(CONFIG, num_layers=3)), seed=2, scale=4.0)
-    d, dp = (EagleDrafter(3, model.config, feature_layers=(0, 1, 2)), published_eagle3_params(model)) if speculate \
-        else (None, None)
-    eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
-                                        kv_cache_tokens=192, attention="reference", tensor_parallel_size=tp),
-                    drafter=d, drafter_params=dp)
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    return eng
+    pair = (EagleDrafter(3, model.config, feature_layers=(0, 1, 2)), published_eagle3_params(model))
+    return engine(tp, "none", model, pair if speculate else None)
 
 
 def drafter(method: str, model):
@@ -81,13 +73,14 @@ def drafter(method: str, model):
                                   "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
 
 
-def engine(tp: int, method: str, model=None):
-    """An engine with both prompts queued (greedy, reference attention)."""
+def engine(tp: int, method: str, model=None, pair=None):
+    """An engine with both prompts queued (greedy, reference attention); ``pair``: a (drafter,
+    drafter params) to use instead of ``method``'s."""
     from jspec.config import EngineConfig, SamplingParams
     from jspec.engine.engine import LLMEngine
 
     model = model or target()
-    d, dp = drafter(method, model)
+    d, dp = pair or drafter(method, model)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
                                         kv_cache_tokens=192, attention="reference", tensor_parallel_size=tp),
                     drafter=d, drafter_params=dp)

@@ -287,12 +287,12 @@ class LLMEngine:
     def buckets(self) -> tuple[int, ...]:
         return self.layout.buckets
 
-    # ------------------------------------------------------------------ requests
     @property
     def step_variants(self) -> StepVariants:
         """The programs :meth:`warmup` compiles (:func:`jspec.engine.layout.step_variants`)."""
         return step_variants(self.buckets, self.prefill_shapes, self.k_max, self.spec.dynamic_k)
 
+    # ------------------------------------------------------------------ requests
     @property
     def tokenizer(self):
         return self.model.tokenizer

@@ -18,9 +18,14 @@ configs would hold. The rules, each written once here:
 - the prefill budget: ``max_num_batched_tokens`` less every slot's decode rows
   (``max_num_seqs x (k_max + 1)``), at least ``MIN_CHUNK``; the chunk widths and the
   ``(rows, width)`` prefill shapes come from it;
-- the slot buckets decode bursts compile for: 1, 2, 4, ... below ``max_num_seqs``, and it;
+- the slot buckets decode bursts compile for: 1, 2, 4, ... below ``max_num_seqs``, and it; the
+  k values steps run with (:func:`k_candidates`, :func:`prefill_k`) and so the programs the
+  engine compiles (:func:`step_variants`);
 - memory: the K/V pages of the target (and of a drafter with pages of its own, in the same
   dtype), split over the tensor-parallel devices, plus the int32 token buffer.
+
+The memory a default pool may take is :func:`memory_budget` of what is free, the engine's and
+:func:`jspec.engine.plan.plan_run`'s alike.
 
 Front ends that size an :class:`~jspec.config.EngineConfig` for a set of prompts use the same
 pieces: :func:`fit_max_model_len` (lengths rounded to ``SHAPE_QUANTUM`` so that prompts of

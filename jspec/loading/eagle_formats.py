@@ -71,7 +71,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _geometry(d: dict, source: str) -> dict:
+def _geometry(d: dict) -> dict:
+    """The head's layer geometry: at the top of the config, or under ``transformer_layer_config``."""
     g = d.get("transformer_layer_config") if isinstance(d.get("transformer_layer_config"), dict) else d
     return {k: g.get(k, d.get(k)) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                              "rope_theta", "rms_norm_eps")}
@@ -106,7 +107,7 @@ def read_published_eagle3(directory: Path, target) -> tuple[dict[str, Any], tupl
     cfg = target.config
     source = str(directory / "config.json")
     d = read_json(directory / "config.json")
-    geo = _geometry(d, source)
+    geo = _geometry(d)
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
     for key, want in (("hidden_size", h), ("num_attention_heads", cfg.num_heads),
                       ("num_key_value_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)):
