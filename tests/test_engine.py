@@ -4,6 +4,7 @@ and prefill less, drafter state survives prefix hits, sampled requests are repro
 seed, and nothing compiles after warm-up."""
 
 import dataclasses
+import json
 import random
 import re
 
@@ -343,6 +344,39 @@ def test_calibration_times_every_k_at_every_bucket_and_leaves_nothing(target):
         engine.step()
     assert [r.output_ids for r in reqs] == [solo(target, p, GREEDY) for p in prompts]
     assert engine.stats.steps_run <= sum(r.metrics.num_steps for r in reqs)  # calibration's steps not counted
+
+
+def test_a_saved_calibration_is_reused_by_the_same_engine_only(target, tmp_path, monkeypatch):
+    """What ``jspec serve`` asks: a second engine of the same configs on the same machine takes
+    the first one's saved step timings without running a burst; another layout measures anew."""
+    monkeypatch.setenv("JSPEC_CACHE_DIR", str(tmp_path))
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=2 * 5 + 32, max_model_len=128, page_size=8,
+                          max_burst_steps=4)
+    spec = SpecConfig("ngram", 4, ngram_min=1, dynamic_k=True)
+    first = LLMEngine(target, config, spec)
+    first.warmup(reuse_calibration=True)
+    saved = list((tmp_path / "calibration").glob("*.json"))
+    assert len(saved) == 1
+
+    def counted(engine):
+        bursts, run = [], engine.runner.burst
+        engine.runner.burst = lambda *a, **kw: bursts.append(1) or run(*a, **kw)
+        return bursts
+
+    second = LLMEngine(target, config, spec)
+    bursts = counted(second)
+    out = second.calibrate(reuse=True)
+    assert not bursts and out == {int(n): {int(k): v for k, v in ks.items()}
+                                  for n, ks in json.loads(saved[0].read_text())["seconds"].items()}
+    assert all(second.costs[n].step_seconds == first.costs[n].step_seconds for n in first.buckets)
+    assert second.calibration_drafted == first.calibration_drafted
+    other = LLMEngine(target, dataclasses.replace(config, max_num_seqs=4, max_num_batched_tokens=4 * 5 + 32), spec)
+    bursts = counted(other)
+    other.calibrate(reuse=True)
+    assert bursts and len(list((tmp_path / "calibration").glob("*.json"))) == 2
+    bursts = counted(first)
+    first.calibrate()
+    assert bursts  # reuse=False measures, whatever is saved
 
 
 def test_nothing_compiles_after_warmup(target):

@@ -73,6 +73,9 @@ def add_serve_parser(sub, default_model: str, attention_choices) -> None:
     s.add_argument("--page-size", type=int, default=16)
     s.add_argument("--seed", type=int, default=0, help="seeds of requests that bring none derive from it")
     s.add_argument("--no-warmup", action="store_true", help="compile step variants on first use instead of at start")
+    s.add_argument("--recalibrate", action="store_true",
+                   help="dynamic k: time the step variants again instead of reusing the timings saved by an earlier "
+                        "start of the same engine on this machine")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'info' and 'debug' log each request (default info)")
     add_parallel_arguments(s, multi_host=False)
@@ -253,7 +256,7 @@ def _serve(args, spec, config, sock, startup) -> int:
         print(f"jspec serve: compiling the engine's step variants ({len(engine.prefill_shapes)} prefill "
               f"shape(s), decode at slot buckets {', '.join(map(str, engine.buckets))})...", file=sys.stderr,
               flush=True)
-        engine.warmup()
+        engine.warmup(reuse_calibration=not args.recalibrate)
         check()
     limits = Limits(max_waiting_requests=args.max_waiting_requests or None, body_timeout=args.body_timeout,
                     header_timeout=args.header_timeout, drain_timeout=args.drain_timeout,

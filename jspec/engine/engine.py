@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import time
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -634,11 +636,12 @@ class LLMEngine:
         return True
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> None:
+    def warmup(self, reuse_calibration: bool = False) -> None:
         """Compile every step variant that ``step()`` can pick (each candidate k at each slot
         bucket, and the prefill step with each prefill width) and the slot updates, so that
         serving compiles nothing more. (With a fixed k the plain step is never picked: it is not
-        compiled.)"""
+        compiled.) With dynamic k, then :meth:`calibrate` (``reuse_calibration``: its saved
+        timings where this engine was calibrated on this machine before; ``jspec serve`` asks)."""
         if self.scheduler.has_work():
             raise ConfigError("warmup() runs on an empty engine")
         s = self.scheduler
@@ -655,9 +658,27 @@ class LLMEngine:
         self.runner.set_slot(self.drafter, dummy)
         self.runner.release(0)
         if len(self.cost.candidates) > 1:
-            self.calibrate()
+            self.calibrate(reuse=reuse_calibration)
 
-    def calibrate(self, steps: int = 8, context: int = 96) -> dict[int, dict[int, float]]:
+    def _calibration_file(self, steps: int, context: int):
+        """Where a calibration of this engine on this machine is kept: a file under
+        ``JSPEC_CACHE_DIR/calibration`` named by a hash of everything its timings depend on (the
+        model and its parameters' shapes, the engine's shapes and options, the drafter, the
+        machine, the software)."""
+        import hashlib
+
+        from jspec.loading.tokenizer import cache_dir
+        from jspec.timing import describe_machine
+
+        c = self.config
+        params = [(str(p), x.shape, str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(self.runner.params)]
+        what = repr((self.model.config, str(self.model.source), params, self.layout, c.attention, c.kv_cache_dtype,
+                     c.quantized_weights, c.quantized_activations, c.small_row_weights, self.path, self.drafter,
+                     self.spec, steps, context, describe_machine(), [str(d) for d in jax.local_devices()],
+                     jax.__version__))
+        return cache_dir() / "calibration" / f"{hashlib.sha256(what.encode()).hexdigest()[:32]}.json"
+
+    def calibrate(self, steps: int = 8, context: int = 96, reuse: bool = False) -> dict[int, dict[int, float]]:
         """Time each dynamic-k candidate at each slot bucket on the real batch shape, before any
         request. A pattern of ``context`` tokens (a repeated sentence, so a lookup drafter always
         proposes and the target, attending to it, continues it) is prefilled once for real,
@@ -675,9 +696,41 @@ class LLMEngine:
         pages were never the allocator's (empty engine: no page is held). Returns
         {bucket: {k: seconds per step}}; empty when the pool cannot hold the context. What share of
         the slots' steps verified drafts (1.0 when the target kept to the pattern; 0 for k = 0) is
-        kept in ``calibration_drafted`` ({bucket: {k: share}})."""
+        kept in ``calibration_drafted`` ({bucket: {k: share}}).
+
+        ``reuse``: take the timings an earlier calibration of the same
+        engine on the same machine saved (:meth:`_calibration_file`) instead of measuring, and
+        save these when there are none; a restarted server then skips most of a minute. The
+        cost models keep refreshing their estimates from the bursts they see either way."""
         if self.scheduler.has_work():
             raise ConfigError("calibrate() runs on an empty engine")
+        saved = self._calibration_file(steps, context) if reuse else None
+        if saved is not None and saved.is_file():
+            try:
+                record = json.loads(saved.read_text())
+                out = {int(n): {int(k): float(v) for k, v in ks.items()} for n, ks in record["seconds"].items()}
+                drafted = {int(n): {int(k): float(v) for k, v in ks.items()} for n, ks in record["drafted"].items()}
+                if set(out) == set(self.buckets) and all(set(ks) == set(self.cost.candidates) for ks in out.values()):
+                    for n, ks in out.items():
+                        for k, seconds in ks.items():
+                            self.costs[n].observe(k, steps, seconds * steps)
+                    self.calibration_drafted.update(drafted)
+                    return out
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # unreadable or from another layout: measure again
+        out = self._measure_calibration(steps, context)
+        if saved is not None and out:
+            try:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                tmp = saved.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"seconds": out, "drafted": self.calibration_drafted}))
+                tmp.replace(saved)
+            except OSError as e:  # a read-only cache only costs the next start its measurement
+                log.warning("calibration not saved (%s): %s", saved, e)
+        return out
+
+    def _measure_calibration(self, steps: int, context: int) -> dict[int, dict[int, float]]:
+        """:meth:`calibrate`'s measurement."""
         k_max = max(self.cost.candidates)
         context = min(context, self.buffer_len - 2 * steps * (k_max + 1) - 1)
         length = context + 2 * steps * (k_max + 1) + 1
