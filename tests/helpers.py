@@ -235,7 +235,7 @@ def published_eagle3_params(model, seed: int = 3, inter: int = 96):
     from jspec.models.eagle import PublishedEagle3Head
     from jspec.models.llama import output_embedding
 
-    cfg = dataclasses.replace(model.config, intermediate_size=inter)
+    cfg = dataclasses.replace(model.config, intermediate_size=inter, qkv_bias=False, qk_norm=False)  # a Llama layer
     cache = init_cache(1, cfg.num_kv_heads, cfg.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16, jnp.dtype(cfg.dtype))
     x = jnp.zeros((1, 1, cfg.hidden_size), jnp.dtype(cfg.dtype))
     head = PublishedEagle3Head(cfg).init(jax.random.key(seed), x, jnp.concatenate([x] * 3, -1), cache,

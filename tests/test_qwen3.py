@@ -86,3 +86,18 @@ def test_a_llama_draft_for_a_qwen3_target_keeps_its_own_geometry(qwen3, plain):
     out = jspec.generate(qwen3, PROMPTS, GREEDY, attention="reference",
                          drafter=DraftModelDrafter(2, draft.config), drafter_params=draft.params)
     assert out.token_ids == plain
+
+
+def test_a_published_eagle3_head_drafts_for_a_qwen3_target():
+    """Published EAGLE-3 heads are Llama layers whatever the target's family: over a Qwen3
+    target the head runs without q/k norms and speculation stays lossless."""
+    from helpers import published_eagle3_params
+    from jspec.speculative.drafters.eagle import EagleDrafter
+
+    target = tiny_qwen3(seed=2, scale=4.0, num_layers=3)
+    plain = jspec.generate(target, PROMPTS, GREEDY, attention="reference").token_ids
+    params = published_eagle3_params(target)
+    assert "q_norm" not in params["head"]["self_attn"]
+    out = jspec.generate(target, PROMPTS, GREEDY, attention="reference",
+                         drafter=EagleDrafter(3, target.config, feature_layers=(0, 1, 2)), drafter_params=params)
+    assert out.token_ids == plain and out.proposed_counts[0] > 0

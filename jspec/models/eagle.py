@@ -115,7 +115,8 @@ class PublishedEagle3Head(nn.Module):
     The three features are the residual stream entering the target's layers (2, L/2, L - 3) by
     default, i.e. leaving layers (1, L/2 - 1, L - 4): jspec's ``feature_layers`` count the latter
     (:func:`jspec.loading.eagle_formats.read_published_eagle3`). ``config``: the target's, with
-    the head's MLP width. Parameters: ``fc``, ``input_layernorm``, ``hidden_norm``,
+    the head's MLP width and, whatever the target's family, a Llama layer's attention (no QKV
+    bias, no q/k norms). Parameters: ``fc``, ``input_layernorm``, ``hidden_norm``,
     ``self_attn`` (fused ``qkv_proj`` [2H, (Hq + 2 KVH) D], ``o_proj``),
     ``post_attention_layernorm``, ``mlp`` (fused ``gate_up_proj``, ``down_proj``), ``norm``."""
 
@@ -182,7 +183,9 @@ def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKV
     on every path), at the MLP width they have."""
     if is_published_eagle3(head_params):
         width = head_params["mlp"]["down_proj"]["kernel"].shape[0]
-        module = _published_module(dataclasses.replace(config, intermediate_size=width), attention)
+        # a Llama layer whatever the target's family: no QKV bias, no q/k norms
+        head = dataclasses.replace(config, intermediate_size=width, qkv_bias=False, qk_norm=False)
+        module = _published_module(head, attention)
         with jax.named_scope("eagle_head"):
             return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
     with jax.named_scope("eagle_head"):
