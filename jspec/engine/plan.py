@@ -171,20 +171,22 @@ def plan_run(model: ModelConfig, config: EngineConfig = EngineConfig(), *, k_max
     tp = config.tensor_parallel_size
     run_model = tp_config(model, tp) if tp > 1 else model  # ConfigError when the heads do not divide
     run_draft = tp_config(draft, tp) if draft is not None and tp > 1 else draft
-    item = memory.itemsize(model.dtype)
-    drafter_bytes = -(-drafter_params * item // tp)
     rows = config.max_num_batched_tokens
 
-    def fixed(n: int) -> int:  # weights and activations on one device at tensor-parallel size n
-        return (memory.weights_bytes_per_device(model, n) + -(-drafter_params * item // n)
-                + memory.activation_bytes(tp_config(model, n) if n > 1 else model, rows, n))
+    def per_device(n: int) -> tuple[int, int, int]:  # (weights, the drafter's share, activations) at tp n
+        drafter = -(-drafter_params * memory.itemsize(model.dtype) // n)
+        return (memory.weights_bytes_per_device(model, n) + drafter, drafter,
+                memory.activation_bytes(tp_config(model, n) if n > 1 else model, rows, n))
 
-    weights = memory.weights_bytes_per_device(model, tp) + drafter_bytes
-    activations = memory.activation_bytes(run_model, rows, tp)
+    def weights_and_activations(n: int) -> int:
+        w, _, a = per_device(n)
+        return w + a
+
+    weights, drafter_bytes, activations = per_device(tp)
     budget = None
     if device_memory is not None:
         if weights + activations >= device_memory:
-            better = _smallest_tp(model, fixed, device_memory, tp)
+            better = _smallest_tp(model, weights_and_activations, device_memory, tp)
             hint = f"; --tp {better} would hold them" if better else ""
             raise InsufficientMemoryError(
                 f"the weights ({format_bytes(weights)} per device at tp {tp}) and one step's activations "

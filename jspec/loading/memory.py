@@ -55,7 +55,8 @@ def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: Any = None) -> i
 
 def weights_bytes_per_device(config: ModelConfig, tp: int = 1, dtype: Any = None) -> int:
     """One device's share of the parameters under ``tp``-way tensor parallelism: every matrix and
-    the embedding are split over the devices (jspec.parallel's rules), the norms are copied.
+    the embedding are split over the devices (jspec.parallel's rules), the norms (Qwen3's q/k
+    gains too) are copied.
     ``config`` is the one-device config; heads copied to fill ``tp`` (fewer KV heads than
     devices) count on each device."""
     if tp == 1:
@@ -63,7 +64,7 @@ def weights_bytes_per_device(config: ModelConfig, tp: int = 1, dtype: Any = None
     from jspec.models.tensor_parallel import tp_config  # here: it imports JAX, which this module does not
 
     c = tp_config(config, tp)
-    norms = (2 * c.num_layers + 1) * c.hidden_size
+    norms = (2 * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
     return -(-(c.num_params() - norms) // tp) * itemsize(dtype or c.dtype) + norms * itemsize(dtype or c.dtype)
 
 

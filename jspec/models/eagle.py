@@ -65,6 +65,20 @@ def rms_parts(features: jax.Array, parts: int, eps: float = 1e-6) -> jax.Array:
     return x.reshape(features.shape).astype(features.dtype)
 
 
+def _run_on_context(module, x, shape: tuple[int, int], context, q_lens, rows):
+    """A head's layer (or attention) ``module`` on rows x [B * T, ...] of shape ``shape`` (B, T):
+    over a :class:`~jspec.models.llama.DenseContext` (returns (out, (k, v))) or over the head's
+    one-layer paged cache, ``q_lens`` rows each in cache rows ``rows`` (returns (out, the cache
+    with the new K/V and lengths))."""
+    if isinstance(context, DenseContext):
+        out, k, v = module(x, context, None, None)
+        return out, (k, v)
+    meta = segment_meta(Segment(jnp.zeros(shape, jnp.int32), q_lens, rows), context)
+    out, k, v = module(x, (meta,), context.k_pages[0], context.v_pages[0])
+    lengths = context.lengths + q_lens if rows is None else context.lengths.at[rows].add(q_lens, mode="drop")
+    return out, context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+
+
 class EagleHead(nn.Module):
     config: ModelConfig  # the target's
     attention: str = "reference"
@@ -87,15 +101,7 @@ class EagleHead(nn.Module):
         x = self.linear_cls(cfg.hidden_size, use_bias=True, dtype=dtype, name="fc")(
             jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1))
         layer = self.layer_cls(cfg, self.attention, name="layer")
-        if isinstance(context, DenseContext):
-            x, k, v = layer(x.reshape(b * t, -1), context, None, None)
-            new_context = (k, v)
-        else:
-            meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), context)
-            x, k, v = layer(x.reshape(b * t, -1), (meta,), context.k_pages[0], context.v_pages[0])
-            lengths = (context.lengths + q_lens if rows is None
-                       else context.lengths.at[rows].add(q_lens, mode="drop"))
-            new_context = context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+        x, new_context = _run_on_context(layer, x.reshape(b * t, -1), (b, t), context, q_lens, rows)
         h = x.reshape(b, t, -1)
         normed = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(h)
         return HeadOutput(normed, h if self.num_features else normed, new_context)
@@ -134,16 +140,8 @@ class PublishedEagle3Head(nn.Module):
         g = g.reshape(b * t, -1)
         x = jnp.concatenate([RMSNorm(eps, dtype, name="input_layernorm")(embeds.reshape(b * t, -1)),
                              RMSNorm(eps, dtype, name="hidden_norm")(g)], axis=-1)
-        attention = Attention(cfg, self.attention, name="self_attn")
-        if isinstance(context, DenseContext):
-            a, k, v = attention(x, context, None, None)
-            new_context = (k, v)
-        else:
-            meta = segment_meta(Segment(jnp.zeros((b, t), jnp.int32), q_lens, rows), context)
-            a, k, v = attention(x, (meta,), context.k_pages[0], context.v_pages[0])
-            lengths = (context.lengths + q_lens if rows is None
-                       else context.lengths.at[rows].add(q_lens, mode="drop"))
-            new_context = context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
+        a, new_context = _run_on_context(Attention(cfg, self.attention, name="self_attn"), x, (b, t), context,
+                                         q_lens, rows)
         h = g + a
         h = h + MLP(cfg, name="mlp")(RMSNorm(eps, dtype, name="post_attention_layernorm")(h))
         h = h.reshape(b, t, -1)
