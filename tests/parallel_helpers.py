@@ -140,7 +140,7 @@ def cache_collectives(eng) -> list[str]:
 
     r, s = eng.runner, eng.scheduler
     step = eng._steps[eng.k_max]
-    rows, width = eng.prefill_shapes[0]
+    rows, width, _ = eng.prefill_shapes[0]
     prefill = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32),
                       np.full((rows,), len(s.slots), np.int32))
     found = []

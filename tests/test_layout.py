@@ -21,7 +21,8 @@ DRAFT = tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
 
 S16_256 = ((1, 16), (4, 16), (1, 64), (4, 64), (1, 256))  # the prefill shapes of a budget of 256..511
 # name: (model config, engine config, k_max, drafter pages, pinned numbers)
-# pinned: max_model_len, buffer_len, table_width, num_pages, prefill_shapes, buckets, memory bytes, described pool
+# pinned: max_model_len, buffer_len, table_width, num_pages, prefill_shapes ((rows, width), or
+# (rows, width, tokens) where packed), buckets, memory bytes, described pool
 CASES = {
     "default": (TARGET, EngineConfig(), 0, None,
                 (512, 528, 33, 265, ((1, 16), (4, 16), (16, 16), (1, 64), (4, 64), (1, 256)), (1, 2, 4, 8), 3273216,
@@ -36,6 +37,10 @@ CASES = {
         TARGET, EngineConfig(max_num_seqs=13, max_model_len=77, max_num_batched_tokens=2048, page_size=1), 0, None,
         (77, 78, 78, 1015, ((1, 32), (4, 32), (16, 32), (1, 128), (4, 128), (1, 512)), (1, 2, 4, 8, 13), 783576,
          "a KV cache of 1,015 tokens and 13 slots of 78 tokens")),
+    "many slots: packed prefill shapes": (
+        TARGET, EngineConfig(max_num_seqs=64, max_model_len=64, max_num_batched_tokens=64 + 512), 0, None,
+        (64, 80, 5, 321, ((1, 32), (4, 32), (16, 32), (64, 32, 512), (1, 128), (4, 128), (16, 128, 512), (1, 512)),
+         (1, 2, 4, 8, 16, 32, 64), 3964928, "a KV cache of 5,136 tokens and 64 slots of 80 tokens")),
     "one chunk width left": (
         TARGET, EngineConfig(max_num_seqs=2, max_num_batched_tokens=26, max_model_len=64, page_size=64), 4, None,
         (64, 128, 2, 5, ((1, 16),), (1, 2), 246784, "a KV cache of 320 tokens and 2 slots of 128 tokens")),
@@ -56,9 +61,12 @@ CASES = {
 def test_layouts_pinned(name):
     model, config, k, draft, want = CASES[name]
     lay = plan_layout(model, config, k_max=k, draft=draft)
-    got = (lay.max_model_len, lay.buffer_len, lay.table_width, lay.num_pages, lay.prefill_shapes, lay.buckets,
+    shapes = tuple(tuple(s) if s.packed else (s.rows, s.width) for s in lay.prefill_shapes)
+    got = (lay.max_model_len, lay.buffer_len, lay.table_width, lay.num_pages, shapes, lay.buckets,
            lay.memory_bytes, lay.describe())
     assert got == want
+    assert all(s.tokens == (budget if s.packed else s.rows * s.width) for s in lay.prefill_shapes
+               for budget in [lay.prefill_budget])
     assert lay.k_max == k and lay.num_slots == config.max_num_seqs and lay.page_size == config.page_size
     assert lay.usable_pages == lay.num_pages - 1 and lay.pool_tokens == lay.num_pages * lay.page_size
 

@@ -55,13 +55,13 @@ from jspec.engine.layout import (StepVariants, k_candidates, memory_budget, plan
                                  step_variants)
 from jspec.engine.request import EngineStats, Request, RequestMetrics, RequestOutput, Status
 from jspec.engine.runner import Runner, init_decode_state, slot_update
-from jspec.engine.scheduler import Plan, Scheduler
+from jspec.engine.scheduler import Plan, PrefillShape, Scheduler
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import memory
 from jspec.loading.convert import quantized_drafter_weights
 from jspec.models import cpu_path
 from jspec.models.cpu_path import HEAD_PROJECTIONS, with_small_row_weights
-from jspec.models.llama import Segment
+from jspec.models.llama import Segment, pack_index
 from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter, on_path
@@ -101,6 +101,18 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> list[int]:
     if not ids:
         raise PromptError("prompt is empty (no tokens)")
     return list(ids)
+
+
+def prefill_segment(shape: PrefillShape, chunks: Sequence[tuple[int, Sequence[int]]], pad_row: int) -> Segment:
+    """The prefill segment of ``shape`` whose row i prefills ``chunks[i]`` = (slot, its tokens);
+    the rows after them are padding (q_len 0, slot ``pad_row``: past the last one). A packed
+    shape's tokens fill its first rows of the forward (:func:`jspec.models.llama.pack_index`)."""
+    tokens = np.zeros((shape.rows, shape.width), np.int32)
+    q_lens = np.zeros((shape.rows,), np.int32)
+    rows = np.full((shape.rows,), pad_row, np.int32)
+    for i, (slot, ids) in enumerate(chunks):
+        tokens[i, :len(ids)], q_lens[i], rows[i] = ids, len(ids), slot
+    return Segment(tokens, q_lens, rows, pack_index(q_lens, shape.width, shape.tokens) if shape.packed else None)
 
 
 # On the CPU a prefill chunk is compute-bound: a step costs about what 16 more prompt tokens cost
@@ -282,7 +294,7 @@ class LLMEngine:
         return self.layout.buffer_len
 
     @property
-    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+    def prefill_shapes(self) -> tuple[PrefillShape, ...]:
         return self.layout.prefill_shapes
 
     @property
@@ -478,15 +490,10 @@ class LLMEngine:
         pf = plan.prefill
         if pf is None:
             return None
-        tokens = np.zeros((pf.rows, pf.width), np.int32)
-        q_lens = np.zeros((pf.rows,), np.int32)
-        rows = np.full((pf.rows,), len(self.scheduler.slots), np.int32)  # padding rows: past the last slot
-        for i, c in enumerate(pf.chunks):
-            if c.request.status is Status.FINISHED:  # failed at admission: its row stays padding
-                continue
-            tokens[i, :c.length] = c.request.all_ids[c.start:c.start + c.length]
-            q_lens[i], rows[i] = c.length, c.request.slot
-        return Segment(tokens, q_lens, rows)
+        # a request that failed at admission keeps its row as padding
+        return prefill_segment(pf.shape, [(c.request.slot, c.request.all_ids[c.start:c.start + c.length])
+                                          for c in pf.chunks if c.request.status is not Status.FINISHED],
+                               len(self.scheduler.slots))
 
     def _collect(self, plan: Plan, snap, caps: np.ndarray, t0: float, t1: float, bucket: int) -> list[RequestOutput]:
         """``caps``: the k each slot's steps ran at in this burst."""
@@ -650,9 +657,8 @@ class LLMEngine:
         variants = self.step_variants
         for k, n in variants.decode:
             self.runner.burst(self._steps[k], tables, caps, None, 1, False, np.arange(n, dtype=np.int32))
-        pad = len(s.slots)
-        for rows, width in variants.prefill:
-            seg = Segment(np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32))
+        for shape in variants.prefill:
+            seg = prefill_segment(shape, [], len(s.slots))
             self.runner.burst(self._steps[self._prefill_k], tables, caps, seg, 1, False)
         dummy = slot_update(0, [0], tables[0], 1, 0, SamplingParams(), 0, 0, self.buffer_len)
         self.runner.set_slot(self.drafter, dummy)
@@ -777,15 +783,11 @@ class LLMEngine:
     def _prefill_pattern(self, pattern: list[int], tables: np.ndarray, length: int, sp: SamplingParams) -> None:
         """Write the K/V (and the drafter's state) of ``pattern[:-1]`` into ``tables[0]``'s pages
         through slot 0, in chunks of the widest compiled prefill shape, then free the slot."""
-        rows, width = max(self.prefill_shapes, key=lambda shape: shape[1])
+        shape = min(self.prefill_shapes, key=lambda s: (-s.width, s.rows))
         pad = len(self.scheduler.slots)
         caps = np.zeros((pad,), np.int32)
         self.runner.set_slot(self.drafter, slot_update(0, pattern, tables[0], length, 0, sp, 0, 0, self.buffer_len))
-        for start in range(0, len(pattern) - 1, width):
-            n = min(width, len(pattern) - 1 - start)
-            tokens = np.zeros((rows, width), np.int32)
-            tokens[0, :n] = pattern[start:start + n]
-            q_lens, seg_rows = np.zeros((rows,), np.int32), np.full((rows,), pad, np.int32)
-            q_lens[0], seg_rows[0] = n, 0
-            self.runner.burst(self._steps[self._prefill_k], tables, caps, Segment(tokens, q_lens, seg_rows), 1, False)
+        for start in range(0, len(pattern) - 1, shape.width):
+            seg = prefill_segment(shape, [(0, pattern[start:min(start + shape.width, len(pattern) - 1)])], pad)
+            self.runner.burst(self._steps[self._prefill_k], tables, caps, seg, 1, False)
         self.runner.release(0)

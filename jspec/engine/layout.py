@@ -39,7 +39,7 @@ import dataclasses
 from typing import Optional
 
 from jspec.config import EngineConfig, ModelConfig, kv_cache_array_dtype
-from jspec.engine.scheduler import prefill_shapes
+from jspec.engine.scheduler import PrefillShape, prefill_shapes
 from jspec.errors import ConfigError
 from jspec.loading import memory
 
@@ -116,14 +116,14 @@ class StepVariants:
     the slot write."""
 
     decode: tuple[tuple[int, int], ...]  # (k, slots)
-    prefill: tuple[tuple[int, int], ...]  # (rows, width), run by the prefill_k step
+    prefill: tuple[PrefillShape, ...]  # run by the prefill_k step
 
     @property
     def count(self) -> int:
         return len(self.decode) + len(self.prefill) + 1  # + the slot write
 
 
-def step_variants(buckets: tuple[int, ...], shapes: tuple[tuple[int, int], ...], k_max: int,
+def step_variants(buckets: tuple[int, ...], shapes: tuple[PrefillShape, ...], k_max: int,
                   dynamic_k: bool) -> StepVariants:
     ks = sorted(set(k_candidates(k_max, dynamic_k)) | {prefill_k(k_max, dynamic_k)})
     return StepVariants(tuple((k, n) for k in ks for n in buckets), tuple(shapes))
@@ -151,7 +151,7 @@ class EngineLayout:
     num_pages: int  # P: the page pool, the null page included
     prefill_budget: int  # tokens of prefill chunks one step may carry
     chunk_widths: tuple[int, ...]  # prefill chunk widths
-    prefill_shapes: tuple[tuple[int, int], ...]  # (rows, width) of the prefill segments
+    prefill_shapes: tuple[PrefillShape, ...]  # the prefill segments (rows, width, tokens)
     cache_dtype: str  # the pages' array dtype name
     kv_cache_bytes: int  # K/V pages of the target and a drafter's own, over all devices
     token_buffer_bytes: int  # the int32 [B, L] token buffer

@@ -107,7 +107,8 @@ class RunPlan:
             "k_max": lay.k_max,
             "step_variants": {"count": self.variants.count,
                               "decode": [{"k": k, "slots": n} for k, n in self.variants.decode],
-                              "prefill": [{"rows": r, "width": w} for r, w in self.variants.prefill]},
+                              "prefill": [{"rows": s.rows, "width": s.width, "tokens": s.tokens}
+                                          for s in self.variants.prefill]},
         }
 
     def describe(self) -> str:
@@ -131,7 +132,8 @@ class RunPlan:
             f"requests     {self.full_length_requests:,} of {lay.max_model_len:,} tokens at once; "
             f"{lay.num_slots} slots decode together",
             f"compile      {v.count} programs: decode at slot buckets {', '.join(map(str, lay.buckets))} "
-            f"for k = {', '.join(map(str, ks))}; prefill {', '.join(f'{r}x{w}' for r, w in v.prefill)}; "
+            f"for k = {', '.join(map(str, ks))}; prefill "
+            f"{', '.join(f'{s.rows}x{s.width}' + (f' packed in {s.tokens}' if s.packed else '') for s in v.prefill)}; "
             "the slot write",
         ]
         if self.device_memory is not None:

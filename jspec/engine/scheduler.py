@@ -12,9 +12,12 @@ Each burst it decides, in this order:
    (their K/V, and a drafter's, are already there); only the rest is prefilled.
 3. **Prefill chunks** of the oldest slots still prefilling, one row each: a width from
    ``prefill_shapes`` (the one with the least cost per prompt token for the oldest one's
-   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width allows within
-   the step's token budget (rounded up to the next allowed row count: few compiled shapes), run
-   in the same forward as everyone's decode step.
+   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width's shapes allow
+   within the step's token budget (rounded up to the next allowed shape: few compiled shapes),
+   run in the same forward as everyone's decode step. A width's widest shape is **packed**: more
+   rows than the budget holds at full width, the real tokens packed into the budget's rows, so
+   a step prefills many short prompts (vLLM's packed prefill) instead of padding each to the
+   width.
 4. **Burst length**: a step with a prefill chunk runs alone (the running slots decode one token
    in it), else up to ``max_burst_steps`` steps; with requests waiting, the burst also stops as
    soon as a slot finishes.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -46,8 +49,7 @@ class Chunk:
 @dataclasses.dataclass
 class Prefill:
     chunks: list[Chunk]  # one per row, oldest request first
-    rows: int  # P: rows of the prefill segment (the chunks, then padding)
-    width: int  # T: tokens per row
+    shape: PrefillShape  # the segment: the chunks' rows, then padding
 
 
 @dataclasses.dataclass
@@ -58,22 +60,44 @@ class Plan:
     k: int
 
 
-def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """(rows, width) shapes of prefill segments: for each width, row counts 1, 4, 16, ... that
-    fit ``rows * width <= budget`` and ``max_rows`` (at least one row)."""
+class PrefillShape(NamedTuple):
+    """A compiled prefill segment: ``rows`` x ``width`` grid positions and ``tokens`` rows of the
+    forward (``rows * width``; fewer for a packed segment, whose real tokens fill its rows)."""
+
+    rows: int
+    width: int
+    tokens: int
+
+    @property
+    def packed(self) -> bool:
+        return self.tokens < self.rows * self.width
+
+
+PACKED_GRID = 4  # a packed segment's grid holds up to this many times its rows of tokens
+
+
+def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple[PrefillShape, ...]:
+    """The prefill segments a step may carry: for each width, row counts 1, 4, 16, ... that fit
+    ``rows * width <= budget`` and ``max_rows`` (at least one row); then, where the width is at
+    most a quarter of the budget and ``max_rows`` allows a grid of at least twice the budget, one
+    packed shape of the most rows (up to ``PACKED_GRID x budget`` grid positions, ``max_rows``)
+    over ``budget`` tokens."""
     shapes = []
     for w in widths:
         p = 1
-        shapes.append((p, w))
+        shapes.append(PrefillShape(p, w, w))
         while p < max_rows and 4 * p * w <= budget:
             p *= 4
-            shapes.append((p, w))
+            shapes.append(PrefillShape(p, w, p * w))
+        packed = min(max_rows, PACKED_GRID * budget // w)
+        if 4 * w <= budget and packed * w >= 2 * budget and packed > p:
+            shapes.append(PrefillShape(packed, w, budget))
     return tuple(shapes)
 
 
 class Scheduler:
     def __init__(self, *, num_slots: int, table_width: int, allocator: PageAllocator,
-                 shapes: tuple[tuple[int, int], ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b"",
+                 shapes: tuple[PrefillShape, ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b"",
                  step_overhead_tokens: Optional[float] = None):
         self.allocator = allocator
         # what one step costs beside its tokens, in tokens of prefill compute (None: tokens cost
@@ -82,7 +106,7 @@ class Scheduler:
         self.page_size = allocator.page_size
         self.table_width = table_width
         self.shapes = shapes
-        self.widths = tuple(sorted({w for _, w in shapes}))
+        self.widths = tuple(sorted({s.width for s in shapes}))
         self.max_burst_steps = max_burst_steps
         self.prefix_caching = prefix_caching
         self.salt = salt
@@ -177,11 +201,17 @@ class Scheduler:
             return None
         remaining = lambda r: (len(r.all_ids) - 1) - r.computed  # noqa: E731
         width = self.chunk_width(remaining(pre[0]))
-        allowed = sorted(p for p, w in self.shapes if w == width)
-        n = min(len(pre), allowed[-1])
-        rows = next(p for p in allowed if p >= n)
-        chunks = [Chunk(r, r.computed, min(remaining(r), width), width) for r in pre[:n]]
-        return Prefill(chunks, rows, width)
+        allowed = sorted((s for s in self.shapes if s.width == width), key=lambda s: (s.tokens, s.rows))
+        budget = max(s.tokens for s in allowed)
+        chunks, total = [], 0
+        for r in pre[:max(s.rows for s in allowed)]:
+            n = min(remaining(r), width, budget - total)
+            if n <= 0:
+                break
+            chunks.append(Chunk(r, r.computed, n, width))
+            total += n
+        shape = next(s for s in allowed if s.rows >= len(chunks) and s.tokens >= total)
+        return Prefill(chunks, shape)
 
     def chunk_width(self, remaining: int) -> int:
         """The prefill width for a prompt with ``remaining`` tokens to prefill: the one with the

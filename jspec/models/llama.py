@@ -128,6 +128,22 @@ class Segment(NamedTuple):
     q_lens: jax.Array  # int32 [Bs]: rows t < q_lens[b] are real; the rest are padding
     rows: Optional[jax.Array] = None  # int32 [Bs]: cache rows; None = 0 .. Bs-1 (every row).
     # A padding row (q_len 0) may name a row past the end: it is read clipped and never written.
+    packed: Optional[jax.Array] = None  # int32 [N]: the segment's tokens packed, N < Bs * Ts
+    # (None: every grid position is a row of the forward). Row i of the segment's N rows in the
+    # forward is grid position packed[i] = b * Ts + t (t < q_lens[b]); Bs * Ts marks a padding row.
+    # The products then run over N rows, not the padded grid: many short prompts of different
+    # lengths fill one step (vLLM's packed prefill) while attention keeps its [Bs, Ts] grid.
+
+
+def pack_index(q_lens, width: int, tokens: int):
+    """The ``packed`` index (numpy, int32 [tokens]) of a segment whose row b holds ``q_lens[b]``
+    real tokens of a grid ``width`` wide: the real grid positions in order, then padding."""
+    packed = np.full((tokens,), len(q_lens) * width, np.int32)
+    at = 0
+    for b, n in enumerate(q_lens):
+        packed[at:at + n] = b * width + np.arange(n, dtype=np.int32)
+        at += n
+    return packed
 
 
 class _Meta(NamedTuple):  # per segment, derived from the cache before the forward
@@ -136,6 +152,24 @@ class _Meta(NamedTuple):  # per segment, derived from the cache before the forwa
     block_tables: jax.Array  # int32 [Bs, max_pages_per_seq]
     start: jax.Array  # int32 [Bs]: cache length before the forward
     q_lens: jax.Array  # int32 [Bs]
+    packed: Optional[jax.Array] = None  # int32 [N]: the segment's packed rows (Segment.packed)
+    unpack: Optional[jax.Array] = None  # int32 [Bs * Ts]: the packed row of each grid position
+
+    @property
+    def num_rows(self) -> int:
+        """The segment's rows in the forward: N when packed, else Bs * Ts."""
+        return self.shape[0] * self.shape[1] if self.packed is None else self.packed.shape[0]
+
+    def to_rows(self, grid: jax.Array) -> jax.Array:
+        """Grid values [Bs, Ts, ...] -> the segment's rows [num_rows, ...] (padding rows 0)."""
+        flat = grid.reshape(-1, *grid.shape[2:])
+        return flat if self.packed is None else jnp.take(flat, self.packed, axis=0, mode="fill", fill_value=0)
+
+    def to_grid(self, rows: jax.Array) -> jax.Array:
+        """The segment's rows [num_rows, ...] -> grid values [Bs, Ts, ...] (grid padding: any row)."""
+        if self.unpack is not None:
+            rows = jnp.take(rows, self.unpack, axis=0)
+        return rows.reshape(self.shape + rows.shape[1:])
 
 
 class DenseContext(NamedTuple):
@@ -157,16 +191,19 @@ def segment_meta(seg: Segment, cache: PagedKVCache) -> _Meta:
         tables = jnp.take(cache.block_tables, seg.rows, axis=0, mode="clip")
         start = jnp.take(cache.lengths, seg.rows, mode="clip")
     positions = start[:, None] + jnp.arange(ts, dtype=jnp.int32)[None, :]
-    return _Meta((bs, ts), positions, tables, start, seg.q_lens)
+    unpack = None
+    if seg.packed is not None:
+        n = seg.packed.shape[0]
+        unpack = jnp.zeros((bs * ts,), jnp.int32).at[seg.packed].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return _Meta((bs, ts), positions, tables, start, seg.q_lens, seg.packed, unpack)
 
 
 def _split(x: jax.Array, metas) -> list[jax.Array]:
     """Flat rows [M, ...] -> per segment [Bs, Ts, ...]."""
     out, at = [], 0
     for m in metas:
-        n = m.shape[0] * m.shape[1]
-        out.append(x[at:at + n].reshape(m.shape + x.shape[1:]))
-        at += n
+        out.append(m.to_grid(x[at:at + m.num_rows]))
+        at += m.num_rows
     return out
 
 
@@ -227,7 +264,7 @@ def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_page
                                           [rep] * n),
                                 out_specs=([heads] * n, pages, pages), check_vma=False)
         outs, k_pages, v_pages = sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
-    outs = [o.reshape(-1, cfg.q_size) for o in outs]
+    outs = [m.to_rows(o.reshape(*m.shape, cfg.q_size)) for m, o in zip(metas, outs)]
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)), k_pages, v_pages
 
 
@@ -366,8 +403,8 @@ class LlamaForCausalLM(nn.Module):
                  logits_for: tuple[bool, ...] = (True,), feature_layers: tuple[int, ...] = ()):
         n = self.config.num_layers if num_layers is None else num_layers
         metas = [segment_meta(s, cache) for s in segments]
-        x = jnp.concatenate([self.embed(s.tokens).reshape(-1, self.config.hidden_size) for s in segments], 0) \
-            if len(segments) > 1 else self.embed(segments[0].tokens).reshape(-1, self.config.hidden_size)
+        xs = [self.embed(m.to_rows(s.tokens)) for s, m in zip(segments, metas)]
+        x = jnp.concatenate(xs, 0) if len(xs) > 1 else xs[0]
         x, k_all, v_all, taken = self.run_layers(x, metas, cache.k_pages, cache.v_pages, n, feature_layers)
         hidden = _split(self.norm(x), metas)
         logits = [self.head(h) if want else None for h, want in zip(hidden, logits_for)]

@@ -84,8 +84,10 @@ class DraftModelDrafter:
         return dataclasses.replace(dstate, lengths=jnp.where(mask, start, dstate.lengths))
 
     def prefill(self, drafter_params, target_params, dstate, cache, segment, hidden):
-        _, out = self._forward(drafter_params, segment.tokens, self._view(dstate, cache), segment.q_lens,
-                               jnp.zeros_like(segment.q_lens), segment.rows)
+        # the chunk's K/V only: no logits (a packed segment stays packed)
+        _, _, out = self.path.forward_segments(self._model(drafter_params), self.config, (segment,),
+                                               self._view(dstate, cache), attention=self.attention,
+                                               logits_for=(False,))
         return DraftModelState(out.k_pages, out.v_pages, out.lengths)
 
     def _feed_pending(self, dparams, state: DecodeState, seq_lens, running):
