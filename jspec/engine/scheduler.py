@@ -12,12 +12,11 @@ Each burst it decides, in this order:
    (their K/V, and a drafter's, are already there); only the rest is prefilled.
 3. **Prefill chunks** of the oldest slots still prefilling, one row each: a width from
    ``prefill_shapes`` (the one with the least cost per prompt token for the oldest one's
-   remaining prompt: ``Scheduler.chunk_width``) and as many rows as that width's shapes allow
-   within the step's token budget (rounded up to the next allowed shape: few compiled shapes),
-   run in the same forward as everyone's decode step. A width's widest shape is **packed**: more
-   rows than the budget holds at full width, the real tokens packed into the budget's rows, so
-   a step prefills many short prompts (vLLM's packed prefill) instead of padding each to the
-   width.
+   remaining prompt: ``Scheduler.chunk_width``), then the shape of that width that prefills
+   the most prompt for its cost (few compiled shapes), run in the same forward as everyone's
+   decode step. A width's widest shapes are **packed**: more rows than their tokens hold at
+   full width, the real tokens packed into the first rows of the forward, so a step prefills
+   many short prompts (vLLM's packed prefill) instead of padding each one to the width.
 4. **Burst length**: a step with a prefill chunk runs alone (the running slots decode one token
    in it), else up to ``max_burst_steps`` steps; with requests waiting, the burst also stops as
    soon as a slot finishes.
@@ -78,10 +77,10 @@ PACKED_GRID = 4  # a packed segment's grid holds up to this many times its rows 
 
 def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple[PrefillShape, ...]:
     """The prefill segments a step may carry: for each width, row counts 1, 4, 16, ... that fit
-    ``rows * width <= budget`` and ``max_rows`` (at least one row); then, where the width is at
-    most a quarter of the budget and ``max_rows`` allows a grid of at least twice the budget, one
-    packed shape of the most rows (up to ``PACKED_GRID x budget`` grid positions, ``max_rows``)
-    over ``budget`` tokens."""
+    ``rows * width <= budget`` and ``max_rows`` (at least one row); then, where ``max_rows``
+    allows more rows, packed shapes of the most rows (up to ``PACKED_GRID x budget`` grid
+    positions, ``max_rows``) over a quarter, a half and all of the budget in tokens, each where
+    its tokens hold four rows of the width and its grid is at least twice its tokens."""
     shapes = []
     for w in widths:
         p = 1
@@ -89,9 +88,9 @@ def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple
         while p < max_rows and 4 * p * w <= budget:
             p *= 4
             shapes.append(PrefillShape(p, w, p * w))
-        packed = min(max_rows, PACKED_GRID * budget // w)
-        if 4 * w <= budget and packed * w >= 2 * budget and packed > p:
-            shapes.append(PrefillShape(packed, w, budget))
+        rows = min(max_rows, PACKED_GRID * budget // w)
+        shapes += [PrefillShape(rows, w, t) for t in (budget // 4, budget // 2, budget)
+                   if 4 * w <= t and rows * w >= 2 * t and rows > p]
     return tuple(shapes)
 
 
@@ -141,7 +140,7 @@ class Scheduler:
     def plan(self, k: int) -> Plan:
         steps = self._reserve(self.max_burst_steps, k)
         self._admit()
-        prefill = self._prefill()
+        prefill = self._prefill(k)
         if prefill is not None:
             steps = 1  # a step carrying prefill chunks runs alone
         elif any(not r.output_ids for r in self.running):
@@ -195,23 +194,31 @@ class Scheduler:
                 r.metrics.num_cached_tokens = r.computed
             self.admitted.append(r)
 
-    def _prefill(self) -> Optional[Prefill]:
+    def _prefill(self, k: int) -> Optional[Prefill]:
         pre = self.prefilling
         if not pre:
             return None
         remaining = lambda r: (len(r.all_ids) - 1) - r.computed  # noqa: E731
         width = self.chunk_width(remaining(pre[0]))
-        allowed = sorted((s for s in self.shapes if s.width == width), key=lambda s: (s.tokens, s.rows))
-        budget = max(s.tokens for s in allowed)
-        chunks, total = [], 0
-        for r in pre[:max(s.rows for s in allowed)]:
-            n = min(remaining(r), width, budget - total)
-            if n <= 0:
-                break
-            chunks.append(Chunk(r, r.computed, n, width))
-            total += n
-        shape = next(s for s in allowed if s.rows >= len(chunks) and s.tokens >= total)
-        return Prefill(chunks, shape)
+        allowed = [s for s in self.shapes if s.width == width]
+        best = None
+        for shape in allowed:
+            chunks, total = [], 0
+            for r in pre[:shape.rows]:
+                n = min(remaining(r), width, shape.tokens - total)
+                if n <= 0:
+                    break
+                chunks.append(Chunk(r, r.computed, n, width))
+                total += n
+            if self.step_overhead_tokens is None:  # tokens are cheap: the most prompt per step
+                key = (-total, shape.tokens, shape.rows)
+            else:  # the least cost per prompt token: a step costs its rows, every slot's decode rows
+                # and the overhead
+                overhead = self.step_overhead_tokens + len(self.slots) * (k + 1)
+                key = ((shape.tokens + overhead) / total, -total, shape.rows)
+            if best is None or key < best[0]:
+                best = (key, Prefill(chunks, shape))
+        return best[1]
 
     def chunk_width(self, remaining: int) -> int:
         """The prefill width for a prompt with ``remaining`` tokens to prefill: the one with the
