@@ -51,6 +51,7 @@ def test_plain_prompts_file_and_text_output(model_dir, tmp_path):
                           "--spec", "ngram", "-k", "2")
     assert code == 0, err
     assert out.count("--- [") == 2 and "ngram k=2" in err
+    assert "2/2" in err and "out tok/s=" in err  # the progress bar on stderr, with tokens per second
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -191,14 +191,11 @@ def _run(engine, reqs, streaming: bool):
     """Run ``reqs`` to the end: one request's text streams to stdout, several show a progress
     bar on stderr. Returns (seconds, compile seconds, {id(request): seconds to its first token}),
     compilation excluded from both timings."""
+    from jspec.engine.progress import Progress
     from jspec.timing import Stopwatch
 
     stream = _stream_printer(engine.tokenizer) if streaming else None
-    bar = None
-    if len(reqs) > 1:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+    bar = Progress(engine, len(reqs)) if len(reqs) > 1 else None
     watch = Stopwatch()
     emitted = 0
     first = {}
@@ -210,7 +207,9 @@ def _run(engine, reqs, streaming: bool):
             stream(reqs[0].output_ids[emitted:])
             emitted = len(reqs[0].output_ids)
         if bar is not None:
-            bar.update(sum(o.finished for o in outs))
+            for o in outs:
+                if o.finished:
+                    bar.finished(len(o.outputs[0].token_ids))
     total_s, compile_s = watch.elapsed(), watch.compile_s()
     if bar is not None:
         bar.close()

@@ -25,12 +25,12 @@ its unfinished requests are aborted, so the engine is left idle and ready for th
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Iterator, Optional, Sequence, Union
 
 from jspec.config import EngineConfig, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine
 from jspec.engine.generate import normalize_prompts
+from jspec.engine.progress import Progress
 from jspec.engine.request import RequestOutput
 from jspec.errors import ConfigError, PromptError
 from jspec.loading import DEFAULT_MODEL, LoadedModel, load_model
@@ -113,13 +113,7 @@ class LLM:
         (vLLM's flag) shows a bar of finished requests on stderr with the output tokens per
         second and, when speculating, the draft acceptance rate of this call."""
         ids = self._add(prompts, sampling_params, chat)
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
-            s, t0, tokens = self.engine.stats, time.perf_counter(), 0
-            drafted0, accepted0 = s.num_draft_tokens, s.num_accepted_tokens
+        bar = Progress(self.engine, len(ids)) if use_tqdm else None
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         try:
@@ -128,13 +122,7 @@ class LLM:
                     if out.finished and out.request_id in wanted and out.request_id not in done:
                         done[out.request_id] = out
                         if bar is not None:
-                            tokens += len(out.outputs[0].token_ids)
-                            drafted = s.num_draft_tokens - drafted0
-                            postfix = {"out tok/s": f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}"}
-                            if drafted:
-                                postfix["accepted"] = f"{(s.num_accepted_tokens - accepted0) / drafted:.2f}"
-                            bar.set_postfix(postfix, refresh=False)
-                            bar.update(1)
+                            bar.finished(len(out.outputs[0].token_ids))
             for rid in ids:  # finished without an output in a step (aborted): take their record
                 if rid not in done:
                     done[rid] = self.engine.requests[rid].to_output()
