@@ -228,17 +228,19 @@ def eagle_params(model, seed: int = 3):
             "lm_head": output_embedding(model.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
 
 
-def published_eagle3_params(model, seed: int = 3, inter: int = 96):
-    """Random parameters of a published-layout EAGLE-3 head (:class:`PublishedEagle3Head`) over
-    the full vocabulary, for ``model``'s geometry."""
+def published_eagle3_params(model, seed: int = 3, inter: int = 96, eagle1: bool = False):
+    """Random parameters of a published-layout EAGLE-3 head (:class:`PublishedEagle3Head`), or
+    with ``eagle1`` an EAGLE-1 one (:class:`PublishedEagle1Head` with an fc bias, QKV biases and
+    speculators' layernorms), over the full vocabulary, for ``model``'s geometry."""
     from jspec.cache import init_cache
-    from jspec.models.eagle import PublishedEagle3Head
+    from jspec.models.eagle import PublishedEagle1Head, PublishedEagle3Head
     from jspec.models.llama import output_embedding
 
-    cfg = dataclasses.replace(model.config, intermediate_size=inter, qkv_bias=False, qk_norm=False)  # a Llama layer
+    cfg = dataclasses.replace(model.config, intermediate_size=inter, qkv_bias=eagle1, qk_norm=False)  # a Llama layer
     cache = init_cache(1, cfg.num_kv_heads, cfg.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16, jnp.dtype(cfg.dtype))
     x = jnp.zeros((1, 1, cfg.hidden_size), jnp.dtype(cfg.dtype))
-    head = PublishedEagle3Head(cfg).init(jax.random.key(seed), x, jnp.concatenate([x] * 3, -1), cache,
-                                         jnp.ones((1,), jnp.int32))["params"]
+    module, prev = (PublishedEagle1Head(cfg, fc_bias=True, layernorms=True), x) if eagle1 else \
+        (PublishedEagle3Head(cfg), jnp.concatenate([x] * 3, -1))
+    head = module.init(jax.random.key(seed), x, prev, cache, jnp.ones((1,), jnp.int32))["params"]
     return {"head": head, "lm_head": output_embedding(model.params, model.config),
             "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}

@@ -38,13 +38,15 @@ def qwen3_target():
     return tiny_qwen3(seed=1, scale=4.0, **CONFIG)
 
 
-def published_eagle3_engine(tp: int, speculate: bool = True):
-    """A three-layer target with a published-layout EAGLE-3 head reading all three layers."""
+def published_eagle3_engine(tp: int, speculate: bool = True, eagle1: bool = False):
+    """A three-layer target with a published-layout EAGLE-3 head reading all three layers (or
+    with ``eagle1`` a published EAGLE-1 head reading the final hidden state)."""
     from helpers import published_eagle3_params, tiny_config, tiny_model
     from jspec.speculative.drafters.eagle import EagleDrafter
 
     model = tiny_model(tiny_config(**dict(CONFIG, num_layers=3)), seed=2, scale=4.0)
-    pair = (EagleDrafter(3, model.config, feature_layers=(0, 1, 2)), published_eagle3_params(model))
+    pair = (EagleDrafter(3, model.config, feature_layers=() if eagle1 else (0, 1, 2)),
+            published_eagle3_params(model, eagle1=eagle1))
     return engine(tp, "none", model, pair if speculate else None)
 
 
@@ -228,6 +230,8 @@ def run_engines() -> dict:
             print(f"tp {tp} {method}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
     out["2/qwen3"] = {"tokens": finish(engine(2, "ngram", qwen3_target()))}
     out["2/published-eagle3"] = {"tokens": finish(published_eagle3_engine(2))}
+    eng = published_eagle3_engine(2, eagle1=True)
+    out["2/published-eagle1"] = {"tokens": finish(eng), "accepted": eng.stats.num_accepted_tokens}
     return out
 
 

@@ -6,7 +6,6 @@ same parameters, lossless speculation with such a head, and bad layouts refused 
 from __future__ import annotations
 
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,9 @@ import pytest
 import torch
 
 import jspec
+from eagle_reference import attention, mlp
+from eagle_reference import causal as _causal
+from eagle_reference import rms as _rms
 from helpers import write_hf_checkpoint
 from jspec.config import SamplingParams, SpecConfig
 from jspec.errors import CheckpointError, DraftMismatchError, UnsupportedModelError
@@ -25,19 +27,6 @@ from jspec.models.llama import DenseContext, forward
 
 LAYERS = 8  # the head reads the stream entering layers 2, 4 and 5
 DRAFT_VOCAB = 200
-
-
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x, theta):  # [T, heads, D], rotate-half convention, positions 0..T-1
-    t, _, d = x.shape
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None], torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class TorchEagle3(torch.nn.Module):
@@ -63,20 +52,11 @@ class TorchEagle3(torch.nn.Module):
         self.lm_head = L(h, vocab, bias=False)
 
     def forward(self, embeds, prev, chained=False):  # [T, H], [T, 3H] (or [T, H] chained)
-        m, t = self.midlayer, embeds.shape[0]
+        m = self.midlayer
         g = prev if chained else self.fc(prev)
         x = torch.cat([_rms(embeds, m.input_layernorm.weight, self.eps), _rms(g, m.hidden_norm.weight, self.eps)], -1)
-        q = _rope(m.self_attn.q_proj(x).view(t, self.heads, self.d), self.theta)
-        k = _rope(m.self_attn.k_proj(x).view(t, self.kv_heads, self.d), self.theta)
-        v = m.self_attn.v_proj(x).view(t, self.kv_heads, self.d)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        s = torch.einsum("thd,shd->hts", q, k) / math.sqrt(self.d)
-        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
-        a = m.self_attn.o_proj(torch.einsum("hts,shd->thd", s.softmax(-1), v).reshape(t, -1))
-        hidden = g + a
-        y = _rms(hidden, m.post_attention_layernorm.weight, self.eps)
-        hidden = hidden + m.mlp.down_proj(torch.nn.functional.silu(m.mlp.gate_proj(y)) * m.mlp.up_proj(y))
+        hidden = g + attention(m.self_attn, x, self.heads, self.kv_heads, self.d, self.theta)
+        hidden = hidden + mlp(m.mlp, _rms(hidden, m.post_attention_layernorm.weight, self.eps))
         return self.lm_head(_rms(hidden, self.norm.weight, self.eps)), hidden
 
 
@@ -105,15 +85,6 @@ def _save_eagle_layout(directory, head, cfg, vocab_ids):
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
         "draft_vocab_size": len(vocab_ids)}))
     return directory
-
-
-def _causal(q, k, v):  # DenseContext attention: [B, T, heads, D], causal, grouped KV heads
-    rep = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
-    t = q.shape[1]
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
-    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
 
 
 def test_the_head_matches_the_published_architecture(target, tmp_path):

@@ -97,6 +97,13 @@ def test_tp_published_eagle3_head_gives_the_one_device_tokens(tp_runs):
     assert tp_runs["2/published-eagle3"]["tokens"] == ph.finish(ph.published_eagle3_engine(1, speculate=False))
 
 
+def test_tp_published_eagle1_head_gives_the_one_device_tokens(tp_runs):
+    """A published EAGLE-1 head (fc and QKV biases, speculators' layernorms) sharded with its
+    target: tp 2 speculative tokens equal one device's plain greedy tokens."""
+    assert tp_runs["2/published-eagle1"]["tokens"] == ph.finish(ph.published_eagle3_engine(1, speculate=False,
+                                                                                          eagle1=True))
+
+
 def test_params_and_cache_carry_the_rules_shardings(tp_runs):
     for key in ("2/none", "2/draft", "2/eagle", "4/none", "4/self-draft", "4/eagle"):
         rep = tp_runs[key]["shardings"]

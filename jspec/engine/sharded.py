@@ -21,7 +21,7 @@ import jax
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES
 from jspec.errors import ConfigError
-from jspec.models.eagle import is_published_eagle3
+from jspec.models.eagle import is_published
 from jspec.models.tensor_parallel import param_axes, tp_config, tp_layer, tp_params
 from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.eagle import EagleDrafter
@@ -42,7 +42,7 @@ def shard_drafter(drafter, dparams, target_config, tp_target_config, mesh):
         return None, None
     if isinstance(drafter, EagleDrafter):
         head = dict(dparams["head"])
-        if is_published_eagle3(head):  # its attention and MLP sit at the top of the head
+        if is_published(head):  # its attention and MLP sit at the top of the head
             head.update(tp_layer({"self_attn": head["self_attn"], "mlp": head["mlp"]}, target_config,
                                  tp_target_config))
         else:

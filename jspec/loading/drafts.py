@@ -12,7 +12,7 @@ of an installed jspec.
     draft_vocab.safetensors   ``draft_vocab_ids``: the tokens its drafting head covers
     card.json
 
-``eagle`` (a feature-level head; EAGLE-3 heads published by others load too, see
+``eagle`` (a feature-level head; EAGLE-1 and EAGLE-3 heads published by others load too, see
 :mod:`jspec.loading.eagle_formats`)::
 
     eagle.safetensors    ``head/...`` parameters and ``draft_vocab_ids``
@@ -347,7 +347,7 @@ def eagle_feature_layers(card: dict, target, source: Path) -> tuple[int, ...]:
 
 def read_eagle(name_or_path: str, target) -> tuple[dict, tuple[int, ...]]:
     """(drafter params ``{"head", "lm_head", "vocab_ids"}``, the target layers the head reads)
-    of an EAGLE checkpoint for ``target``: jspec's own, or a published EAGLE-3 head
+    of an EAGLE checkpoint for ``target``: jspec's own, or a published EAGLE-1 or EAGLE-3 head
     (:mod:`jspec.loading.eagle_formats`)."""
     import jax.numpy as jnp
 
@@ -358,12 +358,15 @@ def read_eagle(name_or_path: str, target) -> tuple[dict, tuple[int, ...]]:
         raise CheckpointNotFoundError(f"{name_or_path}: no such EAGLE checkpoint directory")
     card = read_card(path)
     if card is None:
-        from jspec.loading.eagle_formats import is_published_eagle3, read_published_eagle3
+        from jspec.loading.eagle_formats import published_kind, read_published_eagle1, read_published_eagle3
 
-        if is_published_eagle3(path):
+        kind = published_kind(path)
+        if kind == "eagle3":
             return read_published_eagle3(path, target)
-        raise CheckpointError(f"{path}: neither a jspec head ({CARD}) nor a published EAGLE-3 head (config.json "
-                              "naming an Eagle3 architecture)")
+        if kind == "eagle":
+            return read_published_eagle1(path, target)
+        raise CheckpointError(f"{path}: neither a jspec head ({CARD}) nor a published EAGLE-1 or EAGLE-3 head "
+                              "(config.json naming an Eagle3 architecture, a speculators type, or one Llama layer)")
     check_card(card, target, path, "eagle")
     feature_layers = eagle_feature_layers(card, target, path)
     file = path / "eagle.safetensors"

@@ -148,9 +148,57 @@ class PublishedEagle3Head(nn.Module):
         return HeadOutput(RMSNorm(eps, dtype, name="norm")(h), h, new_context)
 
 
+class PublishedEagle1Head(nn.Module):
+    """The EAGLE-1 head as its authors publish it (``fc`` and ``layers.0.``) and as vLLM's
+    ``speculators`` format does (``fusion_fc`` and ``transformer.``), for heads trained elsewhere.
+    Entry t takes token t's embedding and g_{t-1}, the target's final hidden state (after its
+    final norm) or, when chaining, the head's own previous output h_{t-1}:
+
+        x_t = fc([embed(token_t); g_{t-1}])                  fc: [2H] -> [H], a bias where it has one
+        a_t = x_t + o_proj(attention(x_t))                   no input norm: the layer's is removed
+        h_t = a_t + mlp(post_attention_layernorm(a_t))
+        logits_t = h_t @ E^T                                 the target's LM head, no norm
+
+    h_t predicts the target's next hidden state, and chaining feeds it back as it is. With
+    ``layernorms`` (``speculators``' variant) the embedding, the layer's input and h_t before the
+    LM head are RMS-normalised (``embedding_layernorm``, ``input_layernorm``,
+    ``pre_lm_head_layernorm``). ``config``: the target's, with the head's MLP width and QKV bias.
+    Parameters: ``fc``, ``self_attn`` (fused ``qkv_proj``, ``o_proj``),
+    ``post_attention_layernorm``, ``mlp`` (fused ``gate_up_proj``, ``down_proj``), and the three
+    norms with ``layernorms``."""
+
+    config: ModelConfig
+    attention: str = "reference"
+    fc_bias: bool = False
+    layernorms: bool = False
+
+    @nn.compact
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+        cfg = self.config
+        dtype, eps = jnp.dtype(cfg.dtype), cfg.rms_norm_eps
+        b, t = embeds.shape[:2]
+        if self.layernorms:
+            embeds = RMSNorm(eps, dtype, name="embedding_layernorm")(embeds)
+        x = Linear(cfg.hidden_size, use_bias=self.fc_bias, dtype=dtype, name="fc")(
+            jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1)).reshape(b * t, -1)
+        inp = RMSNorm(eps, dtype, name="input_layernorm")(x) if self.layernorms else x
+        a, new_context = _run_on_context(Attention(cfg, self.attention, name="self_attn"), inp, (b, t), context,
+                                         q_lens, rows)
+        h = x + a
+        h = (h + MLP(cfg, name="mlp")(RMSNorm(eps, dtype, name="post_attention_layernorm")(h))).reshape(b, t, -1)
+        out = RMSNorm(eps, dtype, name="pre_lm_head_layernorm")(h) if self.layernorms else h
+        return HeadOutput(out, h, new_context)
+
+
 def is_published_eagle3(head_params) -> bool:
-    """Whether head parameters are a :class:`PublishedEagle3Head`'s (else an :class:`EagleHead`'s)."""
+    """Whether head parameters are a :class:`PublishedEagle3Head`'s."""
     return "hidden_norm" in head_params
+
+
+def is_published(head_params) -> bool:
+    """Whether head parameters are a published head's (:class:`PublishedEagle3Head` or
+    :class:`PublishedEagle1Head`: attention and MLP at the top), else an :class:`EagleHead`'s."""
+    return "self_attn" in head_params
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,8 +207,12 @@ def _module(config: ModelConfig, attention: str, num_features: int = 0, head_cls
 
 
 @functools.lru_cache(maxsize=None)
-def _published_module(config: ModelConfig, attention: str) -> PublishedEagle3Head:
-    return PublishedEagle3Head(config, attention_lib.resolve(attention))
+def _published_module(config: ModelConfig, attention: str, eagle1: tuple[bool, bool] | None = None) -> nn.Module:
+    """A :class:`PublishedEagle3Head`, or with ``eagle1`` = (fc bias, layernorms) a
+    :class:`PublishedEagle1Head`."""
+    if eagle1 is None:
+        return PublishedEagle3Head(config, attention_lib.resolve(attention))
+    return PublishedEagle1Head(config, attention_lib.resolve(attention), *eagle1)
 
 
 def num_features_of(head_params) -> int:
@@ -177,13 +229,16 @@ def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKV
                   head_cls: type = EagleHead) -> HeadOutput:
     """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`). ``head_cls``:
     :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``).
-    Parameters of a published EAGLE-3 head run :class:`PublishedEagle3Head` (the plain modules,
-    on every path), at the MLP width they have."""
-    if is_published_eagle3(head_params):
+    Parameters of a published head run :class:`PublishedEagle3Head` or :class:`PublishedEagle1Head`
+    (the plain modules, on every path), at the MLP width and QKV bias they have."""
+    if is_published(head_params):
         width = head_params["mlp"]["down_proj"]["kernel"].shape[0]
-        # a Llama layer whatever the target's family: no QKV bias, no q/k norms
-        head = dataclasses.replace(config, intermediate_size=width, qkv_bias=False, qk_norm=False)
-        module = _published_module(head, attention)
+        bias = "bias" in head_params["self_attn"]["qkv_proj"]
+        # a Llama layer whatever the target's family: no q/k norms, a QKV bias where it has one
+        head = dataclasses.replace(config, intermediate_size=width, qkv_bias=bias, qk_norm=False)
+        eagle1 = None if is_published_eagle3(head_params) else ("bias" in head_params["fc"],
+                                                                "embedding_layernorm" in head_params)
+        module = _published_module(head, attention, eagle1)
         with jax.named_scope("eagle_head"):
             return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
     with jax.named_scope("eagle_head"):
