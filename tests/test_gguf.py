@@ -283,3 +283,57 @@ def test_int8_activations_stay_lossless_and_close(tmp_path, hf_dir, monkeypatch)
         EngineConfig(quantized_activations=1)
     with pytest.raises(ConfigError, match="needs quantized_weights"):
         EngineConfig(quantized_activations=True, quantized_weights=False)
+
+
+def _same_as_gguf_reader(path):
+    """jspec's header walk reads every field and tensor as ``gguf.GGUFReader`` does."""
+    import gguf
+
+    from jspec.loading.gguf_loader import GGUFFile
+
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # the reader's own pseudo-fields
+    assert keys and all(ours.field(k) == theirs.fields[k].contents() for k in keys)
+    assert sorted(ours.tensors) == sorted(t.name for t in theirs.tensors)
+    for t in theirs.tensors:
+        o = ours.tensors[t.name]
+        assert o.tensor_type == t.tensor_type and list(o.shape) == list(t.shape) and o.n_elements == t.n_elements
+        assert o.data.shape == t.data.shape and o.data.dtype == t.data.dtype
+        np.testing.assert_array_equal(o.data, t.data)
+
+
+@pytest.mark.parametrize("big_endian", [False, True])
+def test_the_header_walk_reads_what_gguf_reader_reads(tmp_path, big_endian):
+    """Scalars of every type, strings, arrays of numbers and of strings, plain and block tensors,
+    in either byte order."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
+    w.add_uint8("x.u8", 200)
+    w.add_int16("x.i16", -300)
+    w.add_uint32("x.u32", 70000)
+    w.add_int64("x.i64", -(1 << 40))
+    w.add_float32("x.f32", 0.25)
+    w.add_float64("x.f64", 1e-300)
+    w.add_bool("x.bool", True)
+    w.add_string("x.str", "héllo")
+    w.add_array("x.ints", [1, 2, 3])
+    w.add_array("x.floats", [0.5, -1.5])
+    w.add_array("x.strs", ["a", "", "ß€", "tokens with spaces"])
+    rng = np.random.default_rng(0)
+    w.add_tensor("plain", rng.normal(size=(3, 64)).astype(np.float32))
+    w.add_tensor("half", rng.normal(size=(2, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.normal(size=(4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blocks", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path)
+
+
+def test_the_header_walk_reads_the_default_model_as_gguf_reader_does():
+    from jspec.loading import smollm2_path
+
+    _same_as_gguf_reader(smollm2_path())

@@ -1,10 +1,12 @@
-"""Bounds of a GGUF header, checked before the ``gguf`` package parses it.
+"""A GGUF header, read and bounded in one walk.
 
-``gguf.GGUFReader`` trusts the counts in a file: it builds Python objects for every metadata
-array element and every tensor entry it is told about. This walk reads the same header with
-``struct`` and checks each count and length against the bytes left in the file and against
-caps far above any real model, and each tensor's data range against the file size, allocating
-nothing per element. Layout (GGUF v2/v3, little- or big-endian)::
+``gguf.GGUFReader`` trusts the counts in a file, and builds Python and numpy objects for every
+metadata array element (SmolLM2's 49,152 tokens and 48,900 merges: about 3 s). This walk reads
+the header with ``struct`` and checks each count and length against the bytes left in the file
+and against caps far above any real model, and each tensor's data range against the file size;
+it keeps the scalar and string fields, notes where each array lies (decoded only when asked
+for: :meth:`GGUFHeader.field`), and lists the tensors (name, dims, type, data offset).
+Layout (GGUF v2/v3, little- or big-endian)::
 
     "GGUF" u32 version, u64 tensor_count, u64 kv_count
     kv_count x  (string key, u32 type, value)        string = u64 length + bytes
@@ -14,9 +16,11 @@ nothing per element. Layout (GGUF v2/v3, little- or big-endian)::
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import struct
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from jspec.errors import CheckpointError
 
@@ -55,31 +59,78 @@ class _Walker:
         return bytes(self.buf[start:self.pos])
 
     def value(self, vtype: int, key: str):
+        """A scalar, a string (bytes) or an :class:`_Array` (where it lies); the walk checks it."""
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
         if vtype == _STRING:
-            self.string(f"string {key}")
-            return None
+            return self.string(f"string {key}")
         if vtype == _ARRAY:
             itype, count = self.take("I"), self.take("Q")
             if count > MAX_ARRAY:
                 self.fail(f"array {key} claims {count} elements (limit {MAX_ARRAY})")
+            start = self.pos
             if itype in _SCALARS:
                 self.skip(count * struct.calcsize(_SCALARS[itype]), f"array {key}")
             elif itype == _STRING:
                 if count * 8 > len(self.buf) - self.pos:
                     self.fail(f"array {key} claims {count} strings, more than the file can hold")
-                for _ in range(count):
-                    self.string(f"array {key}")
+                n = len(self.buf)
+                for _ in range(count):  # the lengths only: no object per element
+                    if self.pos + 8 > n:
+                        self.fail(f"truncated at byte {self.pos} (file has {n})")
+                    length = struct.unpack_from(self.order + "Q", self.buf, self.pos)[0]
+                    self.pos += 8
+                    self.skip(length, f"array {key}")
             else:
                 self.fail(f"array {key} has element type {itype} (nested arrays are not read)")
-            return None
+            return _Array(itype, count, start)
         self.fail(f"field {key} has unknown value type {vtype}")
 
 
-def check_gguf_header(path: Path) -> None:
-    """Refuse (:class:`CheckpointError`) a GGUF file whose header counts, lengths or tensor
-    ranges do not fit in the file; returns quietly otherwise."""
+class _Array(NamedTuple):
+    itype: int  # element type
+    count: int
+    offset: int  # byte offset of the first element in the file
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    dims: tuple[int, ...]  # innermost first, as GGUF lists them
+    ggml_type: int
+    offset: int  # of its data, from the start of the file
+
+
+@dataclasses.dataclass
+class GGUFHeader:
+    """What :func:`check_gguf_header` read: metadata fields and tensor entries, bounds checked."""
+
+    path: Path
+    order: str  # struct byte order of the file: "<" or ">"
+    fields: dict[str, Any]  # key -> scalar, bytes (a string) or an array's place in the file
+    tensors: list[TensorInfo]
+
+    def field(self, key: str, buf, default=None):
+        """Field ``key`` as ``gguf.GGUFReader``'s ``contents()`` gives it (a string decoded, an
+        array as a list), reading an array's elements from ``buf`` (the file's bytes)."""
+        value = self.fields.get(key, default)
+        if isinstance(value, bytes):
+            return value.decode("utf-8")
+        if not isinstance(value, _Array):
+            return value
+        if value.itype in _SCALARS:
+            fmt = _SCALARS[value.itype]
+            return list(struct.unpack_from(f"{self.order}{value.count}{fmt}", buf, value.offset))
+        out, pos = [], value.offset
+        for _ in range(value.count):
+            n = struct.unpack_from(self.order + "Q", buf, pos)[0]
+            out.append(bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8"))
+            pos += 8 + n
+        return out
+
+
+def check_gguf_header(path: Path) -> GGUFHeader:
+    """The header of a GGUF file; refuses (:class:`CheckpointError`) one whose counts, lengths or
+    tensor ranges do not fit in the file, or that names a tensor twice."""
     import gguf
 
     try:
@@ -105,10 +156,12 @@ def check_gguf_header(path: Path) -> None:
         if n_tensors > MAX_TENSORS or n_tensors * 24 > size:
             w.fail(f"{n_tensors} tensors")
         alignment = 32
+        fields: dict[str, Any] = {}
         for _ in range(n_kv):
             key = w.string("a metadata key").decode("utf-8", "replace")
             vtype = w.take("I")
             value = w.value(vtype, key)
+            fields[key] = value
             if key == "general.alignment":
                 if vtype != 4 or not value or value & (value - 1):
                     w.fail(f"general.alignment must be a power-of-two u32, got {value!r}")
@@ -136,3 +189,7 @@ def check_gguf_header(path: Path) -> None:
             if data_start + offset + nbytes > size:
                 w.fail(f"tensor {name} ({nbytes} bytes at offset {offset}) runs past the end of the file "
                        f"({size} bytes)")
+        if len({name for name, *_ in infos}) != len(infos):
+            w.fail("a tensor name appears twice")
+        return GGUFHeader(path, order, fields, [TensorInfo(name, tuple(dims), ttype, data_start + offset)
+                                                for name, dims, ttype, offset in infos])

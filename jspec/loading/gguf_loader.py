@@ -9,6 +9,7 @@ permutation is undone here.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,26 +55,37 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class _Tensor(NamedTuple):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # dims, innermost first (GGUF's order)
+    n_elements: int
+    data: np.ndarray
+
+
+# GGML types stored as plain numpy items (the rest are blocks, read as bytes)
+_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+
+
 class GGUFFile:
     """A parsed GGUF file: schema-checked metadata and lazily dequantized tensors.
 
-    The header's counts and ranges are checked against the file (:mod:`.gguf_header`) before
-    ``gguf``'s reader parses it; the metadata jspec reads goes through
+    The header is read with its counts and ranges checked against the file (:mod:`.gguf_header`),
+    the tensors are views of the mapped file, and the metadata jspec reads goes through
     :func:`jspec.loading.schema.gguf_fields`.
     """
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = path
-        check_gguf_header(path)
+        self.header = check_gguf_header(path)
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # truncated or corrupt: the reader raises many kinds
+            self._buf = np.memmap(path, np.uint8, mode="r")
+        except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
-        self.tensors = {}  # GGUF name -> ReaderTensor
+        self.tensors = {}  # GGUF name -> _Tensor
         self._by_hf: dict[str, str] = {}  # Hugging Face name -> GGUF name
-        for t in self.reader.tensors:
+        for t in map(self._tensor, self.header.tensors):
             hf = hf_name(t.name)
             if hf is not None and hf in self._by_hf:
                 raise CheckpointError(f"{path}: tensors {self._by_hf[hf]} and {t.name} are the same tensor")
@@ -87,12 +99,27 @@ class GGUFFile:
             raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {self.arch!r} "
                                         "(jspec reads llama, qwen2, qwen3 and mistral GGUF files)")
 
+    def _tensor(self, info) -> "_Tensor":
+        """A tensor entry with its data as ``gguf.GGUFReader`` shapes it (a view of the mapped
+        file): outermost dimension first; a quantized type as uint8 [..., bytes of a row]."""
+        import gguf
+
+        ttype = gguf.GGMLQuantizationType(info.ggml_type)
+        n = int(np.prod(info.dims))
+        block, type_size = gguf.GGML_QUANT_SIZES[ttype]
+        nbytes = n * type_size // block
+        shape = tuple(reversed(info.dims))
+        item = _PLAIN_TYPES.get(ttype.name)
+        raw = self._buf[info.offset:info.offset + nbytes]
+        if item is None:
+            data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+        else:
+            data = raw.view(np.dtype(item).newbyteorder(self.header.order)).reshape(shape)
+        return _Tensor(info.name, ttype, np.asarray(info.dims, np.uint64), n, data)
+
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
         try:
-            return f.contents()
+            return self.header.field(key, self._buf, default)
         except Exception as e:
             raise CheckpointError(f"{self.path}: corrupt metadata field {key} ({str(e)[:200]})") from None
 
