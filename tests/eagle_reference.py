@@ -46,3 +46,16 @@ def attention(attn, x, heads: int, kv_heads: int, d: int, theta: float):
 
 def mlp(m, x):
     return m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))
+
+
+def variant(good, directory, change) -> str:
+    """A copy of the checkpoint directory ``good`` (config.json, model.safetensors) at
+    ``directory`` with its tensors passed through ``change`` (a function editing the dict)."""
+    from jspec.loading.drafts import load_tensors, save_tensors
+
+    directory.mkdir()
+    (directory / "config.json").write_text((good / "config.json").read_text())
+    tensors = load_tensors(good / "model.safetensors")
+    change(tensors)
+    save_tensors(directory / "model.safetensors", tensors)
+    return str(directory)

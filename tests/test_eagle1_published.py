@@ -16,10 +16,11 @@ import torch
 
 import jspec
 from eagle_reference import attention, causal, mlp, rms
+from eagle_reference import variant as layout_variant
 from helpers import write_hf_checkpoint
 from jspec.config import SamplingParams, SpecConfig
 from jspec.errors import CheckpointError, DraftMismatchError, UnsupportedModelError
-from jspec.loading.drafts import load_tensors, read_eagle, save_tensors
+from jspec.loading.drafts import read_eagle, save_tensors
 from jspec.loading.eagle_formats import published_kind, read_published_eagle1, write_published_eagle1
 from jspec.models.eagle import eagle_forward
 from jspec.models.llama import DenseContext, output_embedding
@@ -152,13 +153,7 @@ def test_bad_layouts_are_refused_by_name(target, tmp_path):
     good = _save(tmp_path / "good", _torch_head(cfg), cfg)
 
     def variant(name, change):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text((good / "config.json").read_text())
-        tensors = load_tensors(good / "model.safetensors")
-        change(tensors)
-        save_tensors(d / "model.safetensors", tensors)
-        return str(d)
+        return layout_variant(good, tmp_path / name, change)
 
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) layers.0.post_attention_layernorm.weight"):
         read_eagle(variant("missing", lambda t: t.pop("layers.0.post_attention_layernorm.weight")), target)

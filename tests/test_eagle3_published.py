@@ -15,6 +15,7 @@ import torch
 
 import jspec
 from eagle_reference import attention, mlp
+from eagle_reference import variant as layout_variant
 from eagle_reference import causal as _causal
 from eagle_reference import rms as _rms
 from helpers import write_hf_checkpoint
@@ -161,16 +162,8 @@ def test_bad_layouts_are_refused_by_name(target, tmp_path):
     cfg = model.config
     vocab_ids = np.arange(DRAFT_VOCAB)
     good = _save_eagle_layout(tmp_path / "good", _torch_head(cfg), cfg, vocab_ids)
-    from jspec.loading.drafts import load_tensors
-
     def variant(name, change):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text((good / "config.json").read_text())
-        tensors = load_tensors(good / "model.safetensors")
-        change(tensors)
-        save_tensors(d / "model.safetensors", tensors)
-        return str(d)
+        return layout_variant(good, tmp_path / name, change)
 
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) midlayer.hidden_norm.weight"):
         read_eagle(variant("missing", lambda t: t.pop("midlayer.hidden_norm.weight")), model)
