@@ -243,7 +243,8 @@ class LLMEngine:
         self.scheduler = Scheduler(num_slots=layout.num_slots, table_width=layout.table_width, allocator=self.allocator,
                                    shapes=layout.prefill_shapes, max_burst_steps=config.max_burst_steps,
                                    prefix_caching=config.enable_prefix_caching, salt=salt,
-                                   step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None)
+                                   step_overhead_tokens=CPU_STEP_OVERHEAD_TOKENS if device.platform == "cpu" else None,
+                                   prefill_k=self._prefill_k)
 
     def _step_weights(self, device, drafter_params, loaded_drafter: bool):
         """(target params, drafter params) as the steps read them: with the CPU small-row

@@ -97,8 +97,9 @@ def prefill_shapes(budget: int, max_rows: int, widths: tuple[int, ...]) -> tuple
 class Scheduler:
     def __init__(self, *, num_slots: int, table_width: int, allocator: PageAllocator,
                  shapes: tuple[PrefillShape, ...], max_burst_steps: int, prefix_caching: bool, salt: bytes = b"",
-                 step_overhead_tokens: Optional[float] = None):
+                 step_overhead_tokens: Optional[float] = None, prefill_k: int = 0):
         self.allocator = allocator
+        self.prefill_k = prefill_k  # the k of the step that carries prefill: its decode rows cost too
         # what one step costs beside its tokens, in tokens of prefill compute (None: tokens cost
         # nothing next to a step, so the smallest width that holds the prompt is best)
         self.step_overhead_tokens = step_overhead_tokens
@@ -140,7 +141,7 @@ class Scheduler:
     def plan(self, k: int) -> Plan:
         steps = self._reserve(self.max_burst_steps, k)
         self._admit()
-        prefill = self._prefill(k)
+        prefill = self._prefill()
         if prefill is not None:
             steps = 1  # a step carrying prefill chunks runs alone
         elif any(not r.output_ids for r in self.running):
@@ -194,7 +195,7 @@ class Scheduler:
                 r.metrics.num_cached_tokens = r.computed
             self.admitted.append(r)
 
-    def _prefill(self, k: int) -> Optional[Prefill]:
+    def _prefill(self) -> Optional[Prefill]:
         pre = self.prefilling
         if not pre:
             return None
@@ -214,7 +215,7 @@ class Scheduler:
                 key = (-total, shape.tokens, shape.rows)
             else:  # the least cost per prompt token: a step costs its rows, every slot's decode rows
                 # and the overhead
-                overhead = self.step_overhead_tokens + len(self.slots) * (k + 1)
+                overhead = self.step_overhead_tokens + len(self.slots) * (self.prefill_k + 1)
                 key = ((shape.tokens + overhead) / total, -total, shape.rows)
             if best is None or key < best[0]:
                 best = (key, Prefill(chunks, shape))
