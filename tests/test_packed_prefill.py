@@ -4,9 +4,7 @@ hidden states, K/V pages, lengths), on the plain and the CPU model paths; the sc
 many short prompts into one step; and an engine whose steps pack gives every request the
 tokens it gets alone, with every drafter."""
 
-import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,13 +20,14 @@ from jspec.engine.request import Request, RequestMetrics
 from jspec.engine.scheduler import PrefillShape, Scheduler, prefill_shapes
 from jspec.models import cpu_path
 from jspec.models.llama import LlamaForCausalLM, Segment, forward_segments, pack_index
+from parallel_helpers import drafter as parallel_drafter
 
 GREEDY = SamplingParams(max_tokens=6)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(tiny_config(num_layers=2), scale=4.0)
+    return tiny_model(tiny_config(num_layers=2, vocab_size=128), scale=4.0)  # the parallel drafters' vocabulary
 
 
 def test_pack_index_lists_real_positions_then_padding():
@@ -100,7 +99,7 @@ def test_packed_steps_give_every_request_its_solo_tokens(model, name):
     cfg = model.config
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, rng.integers(2, 14))] for _ in range(40)]
-    drafter, dparams = _drafter(model, name)
+    drafter, dparams = parallel_drafter(name, model)  # the tensor-parallel tests' drafters
     k = 0 if drafter is None else drafter.k
     config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=16 * (k + 1) + 128, max_model_len=64,
                           page_size=8, max_burst_steps=4)
@@ -124,21 +123,3 @@ def test_packed_steps_give_every_request_its_solo_tokens(model, name):
     for p, r in zip(prompts, reqs):
         assert r.output_ids == jspec.generate(model, [p], GREEDY).token_ids[0], name
 
-
-def _drafter(model, name):
-    from jspec.models.eagle import init_eagle_params
-    from jspec.models.llama import output_embedding
-    from jspec.speculative.drafters import DraftModelDrafter, NgramDrafter
-    from jspec.speculative.drafters.eagle import EagleDrafter
-
-    cfg = model.config
-    if name == "none":
-        return None, None
-    if name == "ngram":
-        return NgramDrafter(3, 3, 1), None
-    if name == "draft":
-        draft = tiny_model(tiny_config(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1), seed=5, scale=4.0)
-        return DraftModelDrafter(3, draft.config), draft.params
-    eagle = {"head": init_eagle_params(cfg, jax.random.key(3), model.params),
-             "lm_head": output_embedding(model.params, cfg), "vocab_ids": jnp.arange(cfg.vocab_size, dtype=jnp.int32)}
-    return EagleDrafter(3, cfg), eagle

@@ -165,16 +165,18 @@ def _layer(flat: dict, prefix: str, dtype) -> dict:
     ``post_attention_layernorm``)."""
     import jax.numpy as jnp
 
-    w = lambda name: jnp.asarray(np.asarray(flat[prefix + name], np.float32).T, dtype)  # noqa: E731
-    cat = lambda names, t=True: jnp.asarray(  # noqa: E731
-        (lambda x: x.T if t else x)(np.concatenate([np.asarray(flat[prefix + n], np.float32) for n in names])), dtype)
-    qkv = {"kernel": cat(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"])}
+    def cat(names):  # PyTorch [out, in] rows of each, stacked: [sum out, in]
+        return np.concatenate([np.asarray(flat[prefix + n], np.float32) for n in names])
+
+    kernel = lambda x: {"kernel": jnp.asarray(x.T, dtype)}  # noqa: E731  [in, out]
+    qkv = kernel(cat(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]))
     if prefix + "self_attn.q_proj.bias" in flat:
-        qkv["bias"] = cat(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], False)
-    return {"self_attn": {"qkv_proj": qkv, "o_proj": {"kernel": w("self_attn.o_proj.weight")}},
+        qkv["bias"] = jnp.asarray(cat(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
+                                  dtype)
+    return {"self_attn": {"qkv_proj": qkv, "o_proj": kernel(cat(["self_attn.o_proj.weight"]))},
             "post_attention_layernorm": _scale(flat, prefix + "post_attention_layernorm.weight", dtype),
-            "mlp": {"gate_up_proj": {"kernel": cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])},
-                    "down_proj": {"kernel": w("mlp.down_proj.weight")}}}
+            "mlp": {"gate_up_proj": kernel(cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])),
+                    "down_proj": kernel(cat(["mlp.down_proj.weight"]))}}
 
 
 def _layer_tensors(head: dict, prefix: str, config) -> dict:
