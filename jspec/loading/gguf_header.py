@@ -74,13 +74,8 @@ class _Walker:
             elif itype == _STRING:
                 if count * 8 > len(self.buf) - self.pos:
                     self.fail(f"array {key} claims {count} strings, more than the file can hold")
-                n = len(self.buf)
                 for _ in range(count):  # the lengths only: no object per element
-                    if self.pos + 8 > n:
-                        self.fail(f"truncated at byte {self.pos} (file has {n})")
-                    length = struct.unpack_from(self.order + "Q", self.buf, self.pos)[0]
-                    self.pos += 8
-                    self.skip(length, f"array {key}")
+                    self.skip(self.take("Q"), f"array {key}")
             else:
                 self.fail(f"array {key} has element type {itype} (nested arrays are not read)")
             return _Array(itype, count, start)
