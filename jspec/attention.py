@@ -12,7 +12,7 @@ Implementations:
     cpu        a C++ kernel through XLA's FFI that reads the pages in place
                (pallas_kernels.cpu.paged_attention; float32 queries over float32, float16,
                bfloat16 or 8-bit float pages, built at first use) for up to CPU_KERNEL_MAX_ROWS query rows;
-               xla elsewhere (long prefill chunks, other dtypes, no compiler)
+               xla elsewhere (long prefill chunks, other dtypes, no compiler, tree masks)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm); 16- and 32-bit pages
     interpret  the same Pallas kernel in interpret mode (CPU tests)
     auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
@@ -33,6 +33,7 @@ from jspec.errors import ConfigError
 from pallas_kernels.cpu import build as cpu_kernels
 from pallas_kernels.cpu import layer_tail
 from pallas_kernels.cpu.paged_attention import paged_attention_cpu
+from pallas_kernels.paged_verify_attention import tree_mask_visible
 
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "interpret")
 # Keys per loop iteration of the xla path. 512 made a decode step at 1,000 tokens of context
@@ -69,6 +70,7 @@ def paged_attention_xla(
     q_lens: Optional[jax.Array] = None,  # int32 [B]
     *,
     block_keys: int = BLOCK_KEYS,
+    tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
 ) -> jax.Array:  # [B, T, Hq, D]
     """The contract with an online softmax over blocks of ``block_keys`` keys; the loop runs
     ``ceil(max(kv_lens) / block_keys)`` times (a while loop: no recompilation as contexts grow)."""
@@ -95,6 +97,8 @@ def paged_attention_xla(
         v = jnp.where(live[None, :, :, None], v, 0.0)  # stale or NaN slots cannot leak through 0 * NaN
         s = jnp.einsum("btkgd,kbnd->bkgtn", qg, k)  # [B, KVH, G, T, n]
         visible = (pos[None, None, :] <= q_pos[:, :, None]) & live[:, None, :]  # [B, T, n]
+        if tree_mask is not None:
+            visible &= tree_mask_visible(pos[None, None, :], (kv_lens - q_lens)[:, None, None], tree_mask[:, :, None])
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -113,9 +117,12 @@ def paged_attention_xla(
     return jnp.where(valid_row[:, :, None, None], o, 0.0).astype(q.dtype)
 
 
-def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None):
+def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *, tree_mask=None):
     """The cpu implementation: the C++ kernel for up to :data:`CPU_KERNEL_MAX_ROWS` query rows
-    per sequence (float32 queries; float32, float16, bfloat16 or 8-bit float pages), the xla path otherwise."""
+    per sequence (float32 queries; float32, float16, bfloat16 or 8-bit float pages), the xla path
+    otherwise (a tree verification included: the kernel knows the causal contract only)."""
+    if tree_mask is not None:
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask)
     if q.shape[1] > CPU_KERNEL_MAX_ROWS:
         return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
     return paged_attention_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, fallback=paged_attention_xla)
@@ -124,7 +131,7 @@ def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_len
 @functools.lru_cache(maxsize=None)
 def get(impl: str = "auto") -> Callable:
     """The attention function for ``impl``, with the signature
-    ``fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens) -> out``."""
+    ``fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, tree_mask=None) -> out``."""
     impl = resolve(impl)
     if impl == "xla":
         return paged_attention_xla

@@ -9,6 +9,12 @@ The contract (one meaning everywhere; see DESIGN.md):
 
 Decode is q_len = 1, speculative verification q_len = k + 1, chunked prefill q_len = chunk.
 
+A token tree's verification (``tree_mask`` int32 [B, T]) changes only what the rows among the new
+ones see: row t still sits at storage position ``start + t`` (start = ``kv_lens[b] - q_lens[b]``)
+and sees every key at a position <= start (the prefix and row 0, the tree's root), and the key of
+row j + 1 exactly when bit j of ``tree_mask[b, t]`` is set (its ancestors and itself). A chain's
+mask, ``(1 << t) - 1`` for row t, is the causal contract. ``tree_mask_visible`` states it once.
+
 Implementations here: ``paged_verify_attention`` (the Pallas Triton kernel; ``interpret=True``
 runs it on the CPU) and ``paged_verify_attention_reference`` (plain jnp, the oracle). The
 kernel's design is described above ``_paged_verify_kernel``; its tiles come from
@@ -22,6 +28,7 @@ Shapes and dtypes:
                                                  its pages may hold anything (never read)
     kv_lens       int32 [B]                      keys of sequence b, new tokens included
     q_lens        int32 [B] or None (= T)
+    tree_mask     int32 [B, T] or None (causal)  bit j of row t: row t sees row j + 1 (T <= 33)
     result        [B, T, Hq, D] in q's dtype
 """
 from __future__ import annotations
@@ -46,7 +53,7 @@ PAGE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *,
-                            page_dtypes=PAGE_DTYPES) -> None:
+                            page_dtypes=PAGE_DTYPES, tree_mask=None) -> None:
     """Raise ``ValueError`` naming the offending argument when shapes or dtypes are wrong
     (``page_dtypes``: the pages' dtypes the caller reads)."""
     if q.ndim != 4:
@@ -81,7 +88,25 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
             raise ValueError(f"q_lens must be [B={b}], got shape {q_lens.shape}")
         if q_lens.dtype != jnp.int32:
             raise ValueError(f"q_lens must be int32, got {q_lens.dtype}")
+    if tree_mask is not None:
+        if tree_mask.shape != (b, q.shape[1]) or tree_mask.dtype != jnp.int32:
+            raise ValueError(f"tree_mask must be int32 [B={b}, T={q.shape[1]}], got {tree_mask.dtype} {tree_mask.shape}")
+        if q.shape[1] > MAX_TREE_ROWS:
+            raise ValueError(f"a tree verification has at most {MAX_TREE_ROWS} rows, got T={q.shape[1]}")
     _check_concrete_lens(kv_lens, q_lens, q.shape[1], block_tables.shape[1] * k_pages.shape[2])
+
+
+MAX_TREE_ROWS = 33  # the root and 32 nodes: one bit per node in an int32
+
+
+def tree_mask_visible(key_pos, start, bits):
+    """Whether a key at ``key_pos`` is visible to a tree row whose segment starts at ``start``
+    and whose ancestor bits are ``bits`` (broadcasting arrays): the prefix and the root
+    (key_pos <= start) always, row j + 1 (key_pos = start + 1 + j) when bit j is set."""
+    rel = key_pos - start - 1  # the node index of a key among the new rows
+    shift = jnp.clip(rel, 0, 31)
+    bit = jnp.bitwise_and(lax.shift_right_arithmetic(bits, shift.astype(jnp.int32)), 1) == 1
+    return (rel < 0) | ((rel < 32) & bit)
 
 
 def _check_concrete_lens(kv_lens, q_lens, t, capacity) -> None:
@@ -140,9 +165,10 @@ def paged_verify_attention_reference(
     *,
     sm_scale: Optional[float] = None,
     soft_cap: Optional[float] = None,
+    tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
 ) -> jax.Array:  # [B, T, Hq, D]
     """Plain-jnp oracle of the contract: gather every page of each sequence, mask, softmax."""
-    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask)
     b, t, hq, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
     group = hq // kvh
@@ -167,6 +193,9 @@ def paged_verify_attention_reference(
 
     q_pos = kv_lens[:, None] - q_lens[:, None] + jnp.arange(t)[None, :]  # [B, T]
     visible = jnp.arange(n)[None, None, :] <= q_pos[:, :, None]  # [B, T, N]
+    if tree_mask is not None:
+        start = (kv_lens - q_lens)[:, None, None]
+        visible &= tree_mask_visible(jnp.arange(n)[None, None, :], start, tree_mask[:, :, None])
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows that see nothing (padding) stay finite
@@ -225,7 +254,8 @@ def _paged_verify_kernel(
     q_ref,  # [T, Hq, D]                         this sequence's queries, read in place
     k_ref,  # [num_pages, page_size, D]          this KV head's pages
     v_ref,  # [num_pages, page_size, D]
-    *out_refs,  # one split: out [T, Hq, D] in q's dtype; else o f32 [T, Hq, D], m, l f32 [T, Hq]
+    *refs,  # with ``tree``: tree_ref int32 [T] (this sequence's tree_mask row) first; then the outputs:
+    # one split: out [T, Hq, D] in q's dtype; else o f32 [T, Hq, D], m, l f32 [T, Hq]
     group: int,
     head_dim: int,
     page_size: int,
@@ -236,7 +266,9 @@ def _paged_verify_kernel(
     min_keys_per_split: int,
     sm_scale: float,
     soft_cap: Optional[float],
+    tree: bool = False,
 ):
+    tree_ref, out_refs = (refs[0], refs[1:]) if tree else (None, refs)
     t_len = q_ref.shape[0]
     dp = head_dim_padded
     kv_len = kv_len_ref[0]
@@ -278,6 +310,7 @@ def _paged_verify_kernel(
 
     def attend():
         q = plgpu.load(q_ref.at[t[:, None], head[:, None], d], mask=tile_mask(valid), other=0)
+        bits = plgpu.load(tree_ref.at[t], mask=valid, other=0) if tree else None  # [block_q]
 
         def step(i, carry):
             o, m, l, pages = carry
@@ -296,6 +329,8 @@ def _paged_verify_kernel(
             else:
                 s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if tree:
+                visible &= tree_mask_visible(k_pos[None, :], kv_len - q_len, bits[:, None])
             s = jnp.where(visible, s, -jnp.inf)
 
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -382,6 +417,7 @@ def paged_verify_attention(
     num_splits: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
 ) -> jax.Array:  # [B, T, Hq, D]
     """Verification attention over a block-paged KV cache (the contract in the module doc).
 
@@ -398,9 +434,10 @@ def paged_verify_attention(
     # 1-byte pages are refused here: besides the fp8 format split between vendors (OCP E4M3 on
     # NVIDIA, E4M3FNUZ on gfx942), the Triton lowering switches to 64-bit offsets only above 2^32
     # bytes, so a 1-byte cache of 2-4 GiB (>= 2^31 elements) would overflow 32-bit element offsets.
-    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, page_dtypes=FLOAT_DTYPES)
+    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, page_dtypes=FLOAT_DTYPES,
+                            tree_mask=tree_mask)
     return _paged_verify_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens, sm_scale=sm_scale,
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask, sm_scale=sm_scale,
         soft_cap=soft_cap, interpret=interpret, block_q=block_q, block_k=block_k,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
@@ -417,6 +454,7 @@ def _paged_verify_attention(
     block_tables: jax.Array,  # int32 [B, max_pages_per_seq]
     kv_lens: jax.Array,  # int32 [B]
     q_lens: Optional[jax.Array] = None,  # int32 [B]
+    tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
     *,
     sm_scale: Optional[float] = None,
     soft_cap: Optional[float] = None,
@@ -446,7 +484,8 @@ def _paged_verify_attention(
         _paged_verify_kernel, group=hq // kvh, head_dim=d, page_size=page_size,
         block_q=plan.block_q, head_dim_padded=plan.head_dim_padded, block_k=plan.block_k,
         num_splits=ns, min_keys_per_split=plan.min_keys_per_split,
-        sm_scale=d**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap)
+        sm_scale=d**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
+        tree=tree_mask is not None)
     in_specs = [
         pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # kv_lens
         pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # q_lens
@@ -455,6 +494,10 @@ def _paged_verify_attention(
         pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, j, s: (h, 0, 0, 0)),  # k
         pl.BlockSpec((None, num_pages, page_size, d), lambda i, h, j, s: (h, 0, 0, 0)),  # v
     ]
+    operands = [kv_lens, q_lens, block_tables, q, k_pages, v_pages]
+    if tree_mask is not None:
+        in_specs.append(pl.BlockSpec((None, t), lambda i, h, j, s: (i, 0)))  # tree_mask row
+        operands.append(tree_mask)
     if ns == 1:
         out_specs = pl.BlockSpec((None, t, hq, d), lambda i, h, j, s: (i, 0, 0, 0))
         out_shape = jax.ShapeDtypeStruct((b, t, hq, d), q.dtype)
@@ -481,7 +524,7 @@ def _paged_verify_attention(
             # The tile entry and plan in the kernel name show in profiles and lowered HLO.
             name=(f"paged_verify_attention_{entry.name.replace('-', '_')}_bq{plan.block_q}"
                   f"_bk{plan.block_k}_s{ns}_w{plan.num_warps}_st{plan.num_stages}"),
-        )(kv_lens, q_lens, block_tables, q, k_pages, v_pages)
+        )(*operands)
     if ns == 1:
         return result
     with jax.named_scope("paged_verify_attention_merge"):
