@@ -11,9 +11,9 @@ Decode is q_len = 1, speculative verification q_len = k + 1, chunked prefill q_l
 
 A token tree's verification (``tree_mask`` int32 [B, T]) changes only what the rows among the new
 ones see: row t still sits at storage position ``start + t`` (start = ``kv_lens[b] - q_lens[b]``)
-and sees every key at a position <= start (the prefix and row 0, the tree's root), and the key of
-row j + 1 exactly when bit j of ``tree_mask[b, t]`` is set (its ancestors and itself). A chain's
-mask, ``(1 << t) - 1`` for row t, is the causal contract. ``tree_mask_visible`` states it once.
+and sees every key before start (the cached prefix), and the key of new row j exactly when bit j
+of ``tree_mask[b, t]`` is set (its ancestors and itself; T <= 32). A chain's mask,
+``(1 << (t + 1)) - 1`` for row t, is the causal contract. ``tree_mask_visible`` states it once.
 
 Implementations here: ``paged_verify_attention`` (the Pallas Triton kernel; ``interpret=True``
 runs it on the CPU) and ``paged_verify_attention_reference`` (plain jnp, the oracle). The
@@ -28,7 +28,7 @@ Shapes and dtypes:
                                                  its pages may hold anything (never read)
     kv_lens       int32 [B]                      keys of sequence b, new tokens included
     q_lens        int32 [B] or None (= T)
-    tree_mask     int32 [B, T] or None (causal)  bit j of row t: row t sees row j + 1 (T <= 33)
+    tree_mask     int32 [B, T] or None (causal)  bit j of row t: row t sees new row j (T <= 32)
     result        [B, T, Hq, D] in q's dtype
 """
 from __future__ import annotations
@@ -96,14 +96,14 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
     _check_concrete_lens(kv_lens, q_lens, q.shape[1], block_tables.shape[1] * k_pages.shape[2])
 
 
-MAX_TREE_ROWS = 33  # the root and 32 nodes: one bit per node in an int32
+MAX_TREE_ROWS = 32  # one bit per row in an int32
 
 
 def tree_mask_visible(key_pos, start, bits):
-    """Whether a key at ``key_pos`` is visible to a tree row whose segment starts at ``start``
-    and whose ancestor bits are ``bits`` (broadcasting arrays): the prefix and the root
-    (key_pos <= start) always, row j + 1 (key_pos = start + 1 + j) when bit j is set."""
-    rel = key_pos - start - 1  # the node index of a key among the new rows
+    """Whether a key at ``key_pos`` is visible to a tree row whose segment's new rows start at
+    ``start`` and whose mask is ``bits`` (broadcasting arrays): the prefix (key_pos < start)
+    always, new row j (key_pos = start + j) when bit j is set."""
+    rel = key_pos - start  # the key's row among the new rows
     shift = jnp.clip(rel, 0, 31)
     bit = jnp.bitwise_and(lax.shift_right_arithmetic(bits, shift.astype(jnp.int32)), 1) == 1
     return (rel < 0) | ((rel < 32) & bit)

@@ -55,13 +55,13 @@ def test_masks_and_positions_of_a_tree():
     parents = jnp.asarray([[-1, -1, 0, 2, 1]], jnp.int32)
     assert tree_lib.row_positions(parents).tolist() == [[0, 1, 1, 2, 3, 2]]
     bits = tree_lib.ancestor_bits(parents)[0].tolist()
-    assert bits == [0, 0b1, 0b10, 0b101, 0b1101, 0b10010]
+    assert bits == [0b1, 0b11, 0b101, 0b1011, 0b11011, 0b100101]
     chain = tree_lib.ancestor_bits(tree_lib.chain_parents(1, 4))[0].tolist()
-    assert chain == [0, 1, 3, 7, 15]  # the causal mask
-    full = tree_lib.ancestor_bits(tree_lib.chain_parents(1, 32))[0]
-    assert int(full[32]) == -1  # all 32 bits
-    with pytest.raises(ValueError, match="at most 32"):
-        tree_lib.depths(jnp.zeros((1, 33), jnp.int32))
+    assert chain == [1, 3, 7, 15, 31]  # the causal mask
+    full = tree_lib.ancestor_bits(tree_lib.chain_parents(1, 31))[0]
+    assert int(full[31]) == -1  # all 32 bits
+    with pytest.raises(ValueError, match="at most 31"):
+        tree_lib.depths(jnp.zeros((1, 32), jnp.int32))
 
 
 def test_chain_as_tree_equals_the_chain_rules():

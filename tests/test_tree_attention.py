@@ -28,8 +28,8 @@ def _tree_case(group=2, dtype=jnp.float32):
     return case, bits
 
 
-def _oracle(ref_args, parents, num_nodes):
-    """Dense attention: row t sees the prefix, the root, and the rows of its ancestors and itself."""
+def _oracle(ref_args, bits):
+    """Dense attention: row t sees the prefix and the new rows j whose bit j its mask sets."""
     q, k_pages, v_pages, table, kv_lens, q_lens = (np.asarray(a, np.float32) if a is not None else None
                                                    for a in ref_args)
     table = table.astype(int)
@@ -42,11 +42,8 @@ def _oracle(ref_args, parents, num_nodes):
         k = k_pages[:, table[i, pos // s], pos % s]  # [KVH, L, D]
         v = v_pages[:, table[i, pos // s], pos % s]
         for row in range(int(q_lens[i])):
-            seen = list(range(start + 1))
-            node = row - 1
-            while node >= 0:  # itself and its ancestors
-                seen.append(start + 1 + node)
-                node = parents[i][node]
+            mask = int(bits[i][row]) & 0xFFFFFFFF
+            seen = list(range(start)) + [start + j for j in range(32) if mask >> j & 1]
             for h in range(hq):
                 kk, vv = k[h // (hq // kvh), seen], v[h // (hq // kvh), seen]
                 sc = kk @ q[i, row, h] / np.sqrt(d)
@@ -70,13 +67,31 @@ def test_tree_rows_see_their_ancestors_only(impl):
     kernel_args, ref_args = make_inputs(case)
     args = ref_args if impl in ("reference",) else kernel_args  # NaN-poisoned pages for the fast paths
     got = np.asarray(IMPLS[impl](*args, tree_mask=bits))
-    want = _oracle(ref_args, PARENTS, NUM_NODES)
+    want = _oracle(ref_args, np.asarray(bits))
+    # the oracle's rows by hand: node 3 (row 4) sees the root, nodes 0 and 2, and itself
+    assert [j for j in range(7) if int(bits[0, 4]) >> j & 1] == [0, 1, 3, 4]
     for i, n in enumerate(NUM_NODES):
         np.testing.assert_allclose(got[i, :n + 1], want[i, :n + 1], atol=2e-5, rtol=2e-5)
         assert not np.any(got[i, n + 1:])  # padding rows are zeros
     # the tree changes the answer: without the mask, row 2 (node 1) would see node 0
     causal = np.asarray(paged_verify_attention_reference(*ref_args))
     assert np.abs(causal[0, 2] - want[0, 2]).max() > 1e-3
+
+
+def test_any_mask_of_rows_is_honoured():
+    """The contract reads the bits as given: rows without a common root (a forest) included."""
+    case = Case(t=6, group=2, head_dim=16, page_size=4, kv_lens=(11, 20), q_lens=(6, 4))
+    kernel_args, ref_args = make_inputs(case, seed=3)
+    rng = np.random.default_rng(4)
+    bits = np.zeros((2, 6), np.int64)
+    for t in range(6):
+        bits[:, t] = (1 << t) | (rng.integers(0, 1 << max(t, 1), 2) & ((1 << t) - 1))
+    bits = jnp.asarray(bits.astype(np.int32))
+    want = _oracle(ref_args, np.asarray(bits))
+    for impl in ("reference", "xla", "interpret"):
+        got = np.asarray(IMPLS[impl](*(ref_args if impl == "reference" else kernel_args), tree_mask=bits))
+        for i, q in enumerate((6, 4)):
+            np.testing.assert_allclose(got[i, :q], want[i, :q], atol=2e-5, rtol=2e-5)
 
 
 def test_a_chains_mask_is_the_causal_contract():

@@ -79,3 +79,26 @@ def init_cache(
     )
 
 
+
+
+def move_positions(cache: PagedKVCache, src: jax.Array, dst: jax.Array, count: jax.Array) -> PagedKVCache:
+    """Copy each sequence's K/V at positions ``src[b, j]`` to ``dst[b, j]`` for j < ``count[b]``
+    (int32 [B, M], [B, M], [B]), in every layer; every read happens before any write, and no
+    other position changes. A token tree's accepted path moves this way to consecutive positions."""
+    num_pages, page_size = cache.num_pages, cache.page_size
+    width = cache.block_tables.shape[1]
+
+    def where(pos):  # (page id, slot) of positions [B, M]
+        slot = pos // page_size
+        page = jnp.take_along_axis(cache.block_tables, jnp.clip(slot, 0, width - 1), axis=1)
+        return page, pos % page_size
+
+    keep = jnp.arange(src.shape[1])[None, :] < count[:, None]
+    src_page, src_slot = where(src)
+    dst_page, dst_slot = where(dst)
+    dst_page = jnp.where(keep & (dst // page_size < width), dst_page, num_pages)  # out of range: dropped
+
+    def move(pages):
+        return pages.at[:, dst_page, dst_slot].set(pages[:, src_page, src_slot], mode="drop")
+
+    return cache.replace(k_pages=tuple(move(p) for p in cache.k_pages), v_pages=tuple(move(p) for p in cache.v_pages))

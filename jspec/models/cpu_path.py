@@ -265,9 +265,10 @@ def _packed_projections(p) -> Optional[list]:
 
 def _one_kernel_step(cfg: ModelConfig, attention: str, metas) -> bool:
     """Whether a step's rows can go through pallas_kernels.cpu.layer_tail's calls: one unpacked
-    segment of rows the cpu attention's kernel takes, on one device, without per-head q/k norms (the kernels
+    segment of rows the cpu attention's kernel takes (no tree), on one device, without per-head q/k norms (the kernels
     rotate the raw projection)."""
     return (not isinstance(metas, DenseContext) and len(metas) == 1 and metas[0].packed is None
+            and metas[0].tree_mask is None
             and attention == "cpu" and not cfg.qk_norm and cfg.tensor_parallel == 1
             and metas[0].shape[1] <= attention_lib.CPU_KERNEL_MAX_ROWS)
 

@@ -65,15 +65,16 @@ def rms_parts(features: jax.Array, parts: int, eps: float = 1e-6) -> jax.Array:
     return x.reshape(features.shape).astype(features.dtype)
 
 
-def _run_on_context(module, x, shape: tuple[int, int], context, q_lens, rows):
+def _run_on_context(module, x, shape: tuple[int, int], context, q_lens, rows, tree=None):
     """A head's layer (or attention) ``module`` on rows x [B * T, ...] of shape ``shape`` (B, T):
     over a :class:`~jspec.models.llama.DenseContext` (returns (out, (k, v))) or over the head's
     one-layer paged cache, ``q_lens`` rows each in cache rows ``rows`` (returns (out, the cache
-    with the new K/V and lengths))."""
+    with the new K/V and lengths)); ``tree``: the rows of a token tree (TreeRows), as in a
+    target's tree verification."""
     if isinstance(context, DenseContext):
         out, k, v = module(x, context, None, None)
         return out, (k, v)
-    meta = segment_meta(Segment(jnp.zeros(shape, jnp.int32), q_lens, rows), context)
+    meta = segment_meta(Segment(jnp.zeros(shape, jnp.int32), q_lens, rows, tree=tree), context)
     out, k, v = module(x, (meta,), context.k_pages[0], context.v_pages[0])
     lengths = context.lengths + q_lens if rows is None else context.lengths.at[rows].add(q_lens, mode="drop")
     return out, context.replace(k_pages=(k,), v_pages=(v,), lengths=lengths)
@@ -87,7 +88,7 @@ class EagleHead(nn.Module):
     layer_cls = DecoderLayer
 
     @nn.compact
-    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False, tree=None) -> HeadOutput:
         """embeds [B, T, H]; ``prev`` [B, T, n * H] the target's features F_{t-1} (``fused`` False)
         or [B, T, H] the head's own chained outputs (``fused`` True; EAGLE-1 takes [B, T, H] either
         way). ``context``: the head's paged cache (``q_lens`` rows each, ``rows`` picks the cache
@@ -101,7 +102,7 @@ class EagleHead(nn.Module):
         x = self.linear_cls(cfg.hidden_size, use_bias=True, dtype=dtype, name="fc")(
             jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1))
         layer = self.layer_cls(cfg, self.attention, name="layer")
-        x, new_context = _run_on_context(layer, x.reshape(b * t, -1), (b, t), context, q_lens, rows)
+        x, new_context = _run_on_context(layer, x.reshape(b * t, -1), (b, t), context, q_lens, rows, tree)
         h = x.reshape(b, t, -1)
         normed = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(h)
         return HeadOutput(normed, h if self.num_features else normed, new_context)
@@ -130,7 +131,7 @@ class PublishedEagle3Head(nn.Module):
     attention: str = "reference"
 
     @nn.compact
-    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False, tree=None) -> HeadOutput:
         cfg = self.config
         dtype, eps = jnp.dtype(cfg.dtype), cfg.rms_norm_eps
         b, t = embeds.shape[:2]
@@ -141,7 +142,7 @@ class PublishedEagle3Head(nn.Module):
         x = jnp.concatenate([RMSNorm(eps, dtype, name="input_layernorm")(embeds.reshape(b * t, -1)),
                              RMSNorm(eps, dtype, name="hidden_norm")(g)], axis=-1)
         a, new_context = _run_on_context(Attention(cfg, self.attention, name="self_attn"), x, (b, t), context,
-                                         q_lens, rows)
+                                         q_lens, rows, tree)
         h = g + a
         h = h + MLP(cfg, name="mlp")(RMSNorm(eps, dtype, name="post_attention_layernorm")(h))
         h = h.reshape(b, t, -1)
@@ -173,7 +174,7 @@ class PublishedEagle1Head(nn.Module):
     layernorms: bool = False
 
     @nn.compact
-    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False) -> HeadOutput:
+    def __call__(self, embeds, prev, context, q_lens=None, rows=None, fused: bool = False, tree=None) -> HeadOutput:
         cfg = self.config
         dtype, eps = jnp.dtype(cfg.dtype), cfg.rms_norm_eps
         b, t = embeds.shape[:2]
@@ -183,7 +184,7 @@ class PublishedEagle1Head(nn.Module):
             jnp.concatenate([embeds, prev.astype(embeds.dtype)], axis=-1)).reshape(b * t, -1)
         inp = RMSNorm(eps, dtype, name="input_layernorm")(x) if self.layernorms else x
         a, new_context = _run_on_context(Attention(cfg, self.attention, name="self_attn"), inp, (b, t), context,
-                                         q_lens, rows)
+                                         q_lens, rows, tree)
         h = x + a
         h = (h + MLP(cfg, name="mlp")(RMSNorm(eps, dtype, name="post_attention_layernorm")(h))).reshape(b, t, -1)
         out = RMSNorm(eps, dtype, name="pre_lm_head_layernorm")(h) if self.layernorms else h
@@ -226,7 +227,7 @@ def num_features_of(head_params) -> int:
 
 def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKVCache, q_lens,
                   attention: str = "reference", rows=None, fused: bool = False, *,
-                  head_cls: type = EagleHead) -> HeadOutput:
+                  head_cls: type = EagleHead, tree=None) -> HeadOutput:
     """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`). ``head_cls``:
     :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``).
     Parameters of a published head run :class:`PublishedEagle3Head` or :class:`PublishedEagle1Head`
@@ -240,10 +241,10 @@ def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKV
                                                                 "embedding_layernorm" in head_params)
         module = _published_module(head, attention, eagle1)
         with jax.named_scope("eagle_head"):
-            return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
+            return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused, tree)
     with jax.named_scope("eagle_head"):
         return _module(config, attention, num_features_of(head_params), head_cls).apply(
-            {"params": head_params}, embeds, prev, cache, q_lens, rows, fused)
+            {"params": head_params}, embeds, prev, cache, q_lens, rows, fused, tree)
 
 
 def _ttt_attend(config: ModelConfig, earlier, depth: int):

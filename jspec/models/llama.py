@@ -133,6 +133,17 @@ class Segment(NamedTuple):
     # forward is grid position packed[i] = b * Ts + t (t < q_lens[b]); Bs * Ts marks a padding row.
     # The products then run over N rows, not the padded grid: many short prompts of different
     # lengths fill one step (vLLM's packed prefill) while attention keeps its [Bs, Ts] grid.
+    tree: Optional["TreeRows"] = None  # a token tree's verification (None: rows in a chain)
+
+
+class TreeRows(NamedTuple):
+    """The rows of a token tree's verification (``jspec.speculative.tree``): row t sits at
+    position ``start + offsets[b, t]`` (the root 0, a node its depth) and attends through the
+    contract's ``tree_mask`` (its ancestors among the segment's rows); its K/V are written at
+    ``start + t`` as any row's."""
+
+    offsets: jax.Array  # int32 [Bs, Ts]
+    mask: jax.Array  # int32 [Bs, Ts]: the attention contract's tree_mask
 
 
 def pack_index(q_lens, width: int, tokens: int):
@@ -154,6 +165,7 @@ class _Meta(NamedTuple):  # per segment, derived from the cache before the forwa
     q_lens: jax.Array  # int32 [Bs]
     packed: Optional[jax.Array] = None  # int32 [N]: the segment's packed rows (Segment.packed)
     unpack: Optional[jax.Array] = None  # int32 [Bs * Ts]: the packed row of each grid position
+    tree_mask: Optional[jax.Array] = None  # int32 [Bs, Ts]: a tree's ancestor bits (Segment.tree)
 
     @property
     def num_rows(self) -> int:
@@ -190,12 +202,14 @@ def segment_meta(seg: Segment, cache: PagedKVCache) -> _Meta:
     else:
         tables = jnp.take(cache.block_tables, seg.rows, axis=0, mode="clip")
         start = jnp.take(cache.lengths, seg.rows, mode="clip")
-    positions = start[:, None] + jnp.arange(ts, dtype=jnp.int32)[None, :]
+    offsets = jnp.arange(ts, dtype=jnp.int32)[None, :] if seg.tree is None else seg.tree.offsets
+    positions = start[:, None] + offsets
     unpack = None
     if seg.packed is not None:
         n = seg.packed.shape[0]
         unpack = jnp.zeros((bs * ts,), jnp.int32).at[seg.packed].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-    return _Meta((bs, ts), positions, tables, start, seg.q_lens, seg.packed, unpack)
+    return _Meta((bs, ts), positions, tables, start, seg.q_lens, seg.packed, unpack,
+                 None if seg.tree is None else seg.tree.mask)
 
 
 def _split(x: jax.Array, metas) -> list[jax.Array]:
@@ -241,18 +255,20 @@ def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_page
     tables = [m.block_tables for m in metas]
     starts = [m.start for m in metas]
     q_lens = [m.q_lens for m in metas]
+    masks = [m.tree_mask for m in metas]
 
-    def run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens):
+    def run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens, masks):
         with jax.named_scope("kv_write"):  # every segment's K/V lands before any attention
             for k, v, bt, st, ql in zip(ks, vs, tables, starts, q_lens):
                 k_pages = write_kv(k_pages, k, bt, st, ql)
                 v_pages = write_kv(v_pages, v, bt, st, ql)
         with jax.named_scope("verify_attention"):
-            outs = [attn(q, k_pages, v_pages, bt, st + ql, ql) for q, bt, st, ql in zip(qs, tables, starts, q_lens)]
+            outs = [attn(q, k_pages, v_pages, bt, st + ql, ql, **({} if tm is None else {"tree_mask": tm}))
+                    for q, bt, st, ql, tm in zip(qs, tables, starts, q_lens, masks)]
         return outs, k_pages, v_pages
 
     if cfg.tensor_parallel == 1:
-        outs, k_pages, v_pages = run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
+        outs, k_pages, v_pages = run(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens, masks)
     else:
         n = len(metas)
         heads = parallel.spec(("batch", "length", "heads", "head_dim"))
@@ -261,9 +277,9 @@ def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_page
         rep = parallel.spec(())
         sharded = jax.shard_map(run, mesh=parallel.abstract_mesh(cfg.tensor_parallel),
                                 in_specs=([heads] * n, [kv] * n, [kv] * n, pages, pages, [rep] * n, [rep] * n,
-                                          [rep] * n),
+                                          [rep] * n, [None if tm is None else rep for tm in masks]),
                                 out_specs=([heads] * n, pages, pages), check_vma=False)
-        outs, k_pages, v_pages = sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens)
+        outs, k_pages, v_pages = sharded(qs, ks, vs, k_pages, v_pages, tables, starts, q_lens, masks)
     outs = [m.to_rows(o.reshape(*m.shape, cfg.q_size)) for m, o in zip(metas, outs)]
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)), k_pages, v_pages
 

@@ -27,6 +27,9 @@ from jspec import sampling as sampling_lib
 from jspec.config import ModelConfig
 from jspec.models.llama import Segment
 from jspec.models.path import PLAIN, ModelPath
+from jspec.cache.paged import move_positions
+from jspec.models.llama import TreeRows
+from jspec.speculative import tree as tree_lib
 from jspec.speculative.acceptance import greedy_accept, rejection_sample
 from jspec.speculative.control import cond_in_place
 from jspec.speculative.drafters.base import feature_layers
@@ -140,19 +143,18 @@ class SpecStep:
         #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification
         #      (chosen on the device without copying the page pool: see cond_in_place).
         if prop.num_drafts is None:  # the drafter always proposes: a step without drafts is rare
-            cache, (hidden, n, nxt, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache)
+            cache, (hidden, n, cand, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache)
         else:
-            cache, (hidden, n, nxt, pre_hidden) = cond_in_place(
+            cache, (hidden, n, cand, pre_hidden) = cond_in_place(
                 jnp.any(num > 0),
                 lambda c: self._verify(params, state, prop, num, prefill, c),
                 lambda c: self._plain(params, state, prefill, c),
                 prop.target_cache)
 
-        # 4. Commit d_1..d_n and the extra token; commit() cuts at EOS and the token budget and
-        #    rolls the target cache back to seq_len - 1 (the K/V of rejected drafts go stale).
-        j = jnp.arange(k + 1)[None, :]
-        drafts_pad = jnp.concatenate([prop.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        cand = jnp.where(j < n[:, None], drafts_pad, nxt[:, None])  # [B, k + 1]
+        # 4. Commit d_1..d_n and the extra token (``cand``: the accepted path of a tree); commit()
+        #    cuts at EOS and the token budget and rolls the target cache back to seq_len - 1 (the
+        #    K/V of rejected drafts go stale). Counters: accepted[j] counts steps that accepted a
+        #    (j+1)-th token, proposed[j] steps with a (j+1)-th draft (a tree's: node).
         pos = jnp.arange(k)[None, :]
         new = state.replace(
             cache=cache, drafter=prop.drafter_state, steps=state.steps + 1, num_steps=state.num_steps + running,
@@ -172,11 +174,17 @@ class SpecStep:
     def _verify(self, params, state: DecodeState, prop, num, prefill, cache):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
         their K/V at positions seq_len - 1 .. of ``cache``; acceptance picks n and the extra token.
-        Returns (cache, (hidden, n, extra token, the prefill chunk's hidden or None))."""
+        A tree's rows attend through its ancestor mask, and the K/V of its accepted path move to
+        consecutive positions after the root. Returns (cache, (hidden in the order of the
+        committed tokens, n, the tokens to commit [B, k + 1], the prefill chunk's hidden or None))."""
+        b, k = prop.drafts.shape
+        tree = None if prop.parents is None else tree_lib.TokenTree(prop.drafts, prop.parents, num, prop.draft_logits)
         with jax.named_scope("verify"):
             q_lens = jnp.where(state.done, 0, num + 1).astype(jnp.int32)
             inp = jnp.concatenate([last_tokens(state), prop.drafts], axis=1)  # [B, k + 1]
-            segments = (Segment(inp, q_lens),) + ((prefill,) if prefill is not None else ())
+            rows = None if tree is None else TreeRows(tree_lib.row_positions(tree.parents),
+                                                      tree_lib.ancestor_bits(tree.parents))
+            segments = (Segment(inp, q_lens, tree=rows),) + ((prefill,) if prefill is not None else ())
             logits, hidden, cache = self.path.forward_segments(params, self.config, segments, cache,
                                                                attention=self.attention,
                                                      logits_for=(True,) + (False,) * (len(segments) - 1),
@@ -185,26 +193,50 @@ class SpecStep:
         with jax.named_scope("accept"):
             rs = state.sampling
 
-            def greedy(_):
-                return greedy_accept(prop.drafts, logits, num)
-
-            def sampled(_):
-                p = sampling_lib.probs(logits, rs)  # [B, k + 1, V]
+            def q_of(p):
                 if prop.draft_logits is None:  # deterministic drafter: one-hot q
-                    q = jax.nn.one_hot(prop.drafts, p.shape[-1], dtype=p.dtype)
-                else:
-                    q = sampling_lib.probs(prop.draft_logits, rs)
-                return rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q, p, num)
+                    return None if tree is not None else jax.nn.one_hot(prop.drafts, p.shape[-1], dtype=p.dtype)
+                return sampling_lib.probs(prop.draft_logits, rs)
 
-            n, nxt = jax.lax.cond(jnp.all(rs.greedy | state.done), greedy, sampled, None)
-        return cache, (hidden[0], n, nxt, (hidden[1] if prefill is not None else None))
+            if tree is None:
+                def greedy(_):
+                    return greedy_accept(prop.drafts, logits, num)
+
+                def sampled(_):
+                    p = sampling_lib.probs(logits, rs)  # [B, k + 1, V]
+                    return rejection_sample(step_keys(state, SALT_ACCEPT), prop.drafts, q_of(p), p, num)
+
+                n, nxt = jax.lax.cond(jnp.all(rs.greedy | state.done), greedy, sampled, None)
+                j = jnp.arange(k + 1)[None, :]
+                drafts_pad = jnp.concatenate([prop.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+                return cache, (hidden[0], n, jnp.where(j < n[:, None], drafts_pad, nxt[:, None]),
+                               (hidden[1] if prefill is not None else None))
+
+            def greedy_tree(_):
+                return tree_lib.greedy_accept_tree(tree, logits)
+
+            def sampled_tree(_):
+                p = sampling_lib.probs(logits, rs)
+                return tree_lib.rejection_sample_tree(step_keys(state, SALT_ACCEPT), tree, q_of(p), p)
+
+            acc = jax.lax.cond(jnp.all(rs.greedy | state.done), greedy_tree, sampled_tree, None)
+        with jax.named_scope("tree_commit"):
+            root = state.cache.lengths  # the root's position; node i was written at root + 1 + i
+            src, count = tree_lib.path_moves(acc)
+            dst = jnp.arange(k, dtype=jnp.int32)[None, :]
+            cache = move_positions(cache, root[:, None] + 1 + src, root[:, None] + 1 + dst,
+                                   jnp.where(state.done, 0, count))
+            h = jnp.take_along_axis(hidden[0], tree_lib.path_rows(acc)[..., None], axis=1)
+        return cache, (h, acc.num_accepted, tree_lib.path_tokens(tree, acc),
+                       (hidden[1] if prefill is not None else None))
 
     def _plain(self, params, state: DecodeState, prefill, cache):
         """No drafts anywhere: one token from the target, as plain decoding would do."""
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, cache,
                                                           prefill, num_rows=self.drafter.k + 1,
                                                           features=feature_layers(self.drafter), path=self.path)
-        return cache, (hidden, jnp.zeros_like(nxt), nxt, pre_hidden)
+        return cache, (hidden, jnp.zeros_like(nxt), jnp.broadcast_to(nxt[:, None], (nxt.shape[0], self.drafter.k + 1)),
+                       pre_hidden)
 
 
 def burst(step, params, drafter_params, state: DecodeState, prefill: Optional[Segment], limit,

@@ -8,10 +8,11 @@ from the root (a child of the root has depth 1), and its row sits at position
 ``prefix + depth`` (RoPE) while its K/V are written at storage position ``prefix + 1 + i``.
 
 Attention (the verification contract with a tree; see :mod:`jspec.attention`): every row sees
-the cached prefix and the root; row i + 1 also sees the rows of node i's ancestors and itself.
-That set is a bitmask per row (:func:`ancestor_bits`): bit j stands for row j + 1, so 32 nodes
-fit an int32. A chain (node i's parent is node i - 1) is the tree of width one: its bits are
-``(1 << (i + 1)) - 1`` for row i + 1, exactly the causal mask, and its acceptance is the chain's.
+the cached prefix; row t also sees the rows of its ancestors and itself (the root is every node's
+ancestor). That set is a bitmask per row (:func:`ancestor_bits`): bit j stands for row j, so a
+tree of 31 nodes and its root fit an int32. A chain (node i's parent is node i - 1) is the tree
+of width one: its bits are ``(1 << (t + 1)) - 1`` for row t, exactly the causal mask, and its
+acceptance is the chain's.
 
 Acceptance walks from the root:
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 
 from jspec.sampling import argmax, sample_from_probs
 
-MAX_NODES = 32  # rows past the root; one bit each in an int32 mask
+MAX_NODES = 31  # nodes past the root; with it, one bit per row in an int32 mask
 
 
 class TokenTree(NamedTuple):
@@ -89,14 +90,14 @@ def depths(parents: jax.Array) -> jax.Array:
 
 
 def ancestor_bits(parents: jax.Array) -> jax.Array:
-    """int32 [B, N + 1]: the rows each verification row sees besides the prefix and the root;
-    bit j of entry t stands for row j + 1 (node j). Row 0 (the root) sees no node."""
+    """int32 [B, N + 1]: the verification rows each row sees besides the prefix; bit j of entry
+    t stands for row j (the root is row 0, node i row i + 1)."""
     b, n = parents.shape
     _check_size(n)
-    bits = jnp.zeros((b, n + 1), jnp.int32)
+    bits = jnp.ones((b, n + 1), jnp.int32)  # the root sees itself
     for i in range(n):
         up = jnp.take_along_axis(bits, (parents[:, i:i + 1] + 1), axis=1)[:, 0]  # the parent's row
-        own = jnp.left_shift(jnp.int32(1), jnp.int32(i)) if i < 31 else jnp.int32(-2**31)
+        own = jnp.left_shift(jnp.int32(1), jnp.int32(i + 1)) if i + 1 < 31 else jnp.int32(-2**31)
         bits = bits.at[:, i + 1].set(up | own)
     return bits
 

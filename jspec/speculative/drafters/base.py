@@ -53,6 +53,8 @@ class Proposal(NamedTuple):
     drafter_state: Any
     target_cache: PagedKVCache  # the target cache to verify on (unchanged except layer-skip)
     num_drafts: Optional[jax.Array] = None  # int32 [B]: real drafts (<= k); None = k for all
+    parents: Optional[jax.Array] = None  # int32 [B, k]: a token tree (jspec.speculative.tree):
+    # drafts are its nodes, parents[b, i] node i's parent (-1: the last committed token); None: a chain
 
 
 def feature_layers(drafter) -> tuple[int, ...]:
