@@ -22,6 +22,9 @@ from jspec.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TREE_NODES = 31  # drafted nodes of a token tree: with its root, one bit per row of an int32 mask
+DEFAULT_TREE_WIDTH = 4  # each expansion's best tokens when a tree budget names no width
+TREE_METHODS = ("eagle",)  # drafters that propose token trees
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
@@ -335,13 +338,19 @@ class SpecConfig:
     # float32. "auto": "q8_0" for the drafters jspec loads from a checkpoint (draft, eagle,
     # hybrid), None for drafter parameters passed to the engine as they are.
     draft_quantization: Optional[str] = "auto"
+    # a token tree instead of a chain (eagle): up to tree_nodes drafted nodes per verification,
+    # num_speculative_tokens deep at most, each expansion keeping its tree_width best tokens
+    # (jspec.speculative.tree; EAGLE-2's dynamic tree). 0: a chain of num_speculative_tokens
+    tree_nodes: int = 0
+    tree_width: int = 0
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
         if self.ngram_min is None:
             object.__setattr__(self, "ngram_min", 2 if self.method == "hybrid" else 1)
-        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers"):
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers",
+                     "tree_nodes", "tree_width"):
             if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= INT32_MAX:
                 raise ConfigError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.draft is not None and not isinstance(self.draft, str):
@@ -369,6 +378,18 @@ class SpecConfig:
             raise ConfigError(f"layerskip needs >= 1 draft layer, got {self.layerskip_layers}")
         if self.method in CHECKPOINT_METHODS and not self.draft:
             raise ConfigError(f"spec method {self.method!r} needs a draft checkpoint")
+        if self.tree_nodes or self.tree_width:
+            if self.method not in TREE_METHODS:
+                raise ConfigError(f"a token tree applies to spec methods {TREE_METHODS}, not {self.method!r}")
+            if not 1 <= self.tree_nodes <= MAX_TREE_NODES:
+                raise ConfigError(f"tree max_nodes must be in [1, {MAX_TREE_NODES}], got {self.tree_nodes}")
+            if not 1 <= self.tree_width <= self.tree_nodes:
+                raise ConfigError(f"tree max_width must be in [1, max_nodes = {self.tree_nodes}], got {self.tree_width}")
+
+    @property
+    def tree(self) -> bool:
+        """Whether the drafter proposes token trees (``tree_nodes`` > 0)."""
+        return self.tree_nodes > 0
 
     @property
     def enabled(self) -> bool:
@@ -393,7 +414,7 @@ class SpecConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min",
-                 "layers", "dynamic_k", "ngram_history", "head_tokens", "quantization"}
+                 "layers", "dynamic_k", "ngram_history", "head_tokens", "quantization", "tree"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
@@ -414,8 +435,14 @@ class SpecConfig:
             kw["head_tokens"] = d["head_tokens"]
         if "quantization" in d:
             kw["draft_quantization"] = d["quantization"]
+        if d.get("tree") is not None:
+            tree = d["tree"]
+            if not isinstance(tree, dict) or sorted(set(tree) - {"max_nodes", "max_width"}) or "max_nodes" not in tree:
+                raise ConfigError(f"speculative_config: tree must be {{'max_nodes': N, 'max_width': W}}, got {tree!r}")
+            kw["tree_nodes"] = tree["max_nodes"]
+            kw["tree_width"] = tree.get("max_width", DEFAULT_TREE_WIDTH)
         for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "ngram_history", "layerskip_layers",
-                     "head_tokens"):
+                     "head_tokens", "tree_nodes", "tree_width"):
             if name in kw and not _is_int(kw[name]):
                 raise ConfigError(f"speculative_config: {name} must be an integer, got {kw[name]!r}")
         return cls(**kw)

@@ -197,3 +197,24 @@ def path_moves(acc: TreeAcceptance) -> tuple[jax.Array, jax.Array]:
     and belongs at root + 1 + j; ``source`` int32 [B, N] is path[j] (j < count), ``count`` the
     accepted nodes. On a chain every move is to itself."""
     return jnp.maximum(acc.path, 0), acc.num_accepted
+
+
+def select_nodes(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depth: jax.Array, n: int):
+    """The ``n`` best of C candidates by cumulative draft log-probability (EAGLE-2's selection),
+    as a tree in topological order: (tokens int32 [B, n], parents int32 [B, n]).
+
+    ``tokens``, ``scores``, ``parents`` (candidate index, -1 the root) and ``depth`` are [B, C]
+    (depth [C] or [B, C]). A child's score is its parent's plus a log-probability <= 0, and ties
+    go to the shallower candidate, so the chosen set holds every chosen node's parent."""
+    b, c = tokens.shape
+    _check_size(n)
+    depth = jnp.broadcast_to(depth, (b, c))
+    key = jnp.maximum(scores, -1e3) - 1e-3 * depth  # -inf (outside a draft vocabulary) stays ordered
+    _, chosen = jax.lax.top_k(key, n)  # [B, n] candidate indices
+    order = jnp.argsort(jnp.take_along_axis(depth, chosen, axis=1) * c + chosen, axis=1)  # by depth: parents first
+    chosen = jnp.take_along_axis(chosen, order, axis=1)
+    slot_of = jnp.full((b, c + 1), -1, jnp.int32)  # candidate index + 1 -> its node (0: the root, -1)
+    slot_of = slot_of.at[jnp.arange(b)[:, None], chosen + 1].set(jnp.arange(n, dtype=jnp.int32)[None, :])
+    par = jnp.take_along_axis(parents, chosen, axis=1)
+    return (jnp.take_along_axis(tokens, chosen, axis=1).astype(jnp.int32),
+            jnp.take_along_axis(slot_of, par + 1, axis=1))

@@ -1,0 +1,96 @@
+"""Token trees end to end: the EAGLE head drafts EAGLE-2 trees, the target verifies them in one
+forward, and the output is the target's: greedy token-identical to plain greedy (with trees that
+branch, accepted paths longer than one, and the K/V of accepted side branches moved into place),
+sampled following the target's exact law of the first two tokens."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
+                     tiny_model)
+from jspec.config import SamplingParams
+from jspec.speculative.drafters.eagle import EagleDrafter
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [3, 4, 3, 4, 3], [9, 1], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 11]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(tiny_config(vocab_size=12, num_layers=4), seed=1, scale=2.0)
+
+
+def _tree_drafter(cfg, nodes=8, depth=3, width=3):
+    return EagleDrafter(nodes, cfg, tree_depth=depth, tree_width=width)
+
+
+@pytest.mark.parametrize("nodes, depth, width", [(8, 3, 3), (4, 4, 1), (12, 4, 4)])
+def test_greedy_tree_equals_plain_greedy(target, nodes, depth, width):
+    want = jspec.generate(target, PROMPTS, GREEDY).token_ids
+    out = jspec.generate(target, PROMPTS, GREEDY, drafter=_tree_drafter(target.config, nodes, depth, width),
+                         drafter_params=eagle_params(target))
+    assert out.token_ids == want
+    assert out.accepted_counts[0] > 0  # drafts were accepted
+    if width > 1:
+        assert out.accepted_counts[1] > 0  # paths of two nodes or more
+
+
+def test_without_moving_the_accepted_path_the_output_breaks(target, monkeypatch):
+    """The check above has power: with the accepted nodes' K/V left where the tree put them, a
+    path through a side branch leaves the wrong K/V at a committed position."""
+    from jspec.speculative import steps
+
+    want = jspec.generate(target, PROMPTS, GREEDY).token_ids
+    monkeypatch.setattr(steps, "move_positions", lambda cache, src, dst, count: cache)
+    jax.clear_caches()  # trace the step again, without the move
+    out = jspec.generate(target, PROMPTS, GREEDY, drafter=_tree_drafter(target.config, 12, 4, 4),
+                         drafter_params=eagle_params(target))
+    jax.clear_caches()
+    assert out.token_ids != want
+
+
+def test_move_positions_moves_only_the_named_positions():
+    from jspec.cache import init_cache
+    from jspec.cache.paged import move_positions
+
+    rng = np.random.default_rng(0)
+    tables = jnp.asarray([[5, 2, 7], [1, 0, 6]], jnp.int32)  # shuffled pages, 4 slots each
+    cache = init_cache(2, 2, 4, tables, 8, 4)
+    poison = lambda shape: jnp.asarray(np.where(rng.random(shape) < 0.3, np.nan, rng.normal(size=shape)), jnp.float32)  # noqa: E731
+    cache = cache.replace(k_pages=tuple(poison(p.shape) for p in cache.k_pages),
+                          v_pages=tuple(poison(p.shape) for p in cache.v_pages))
+    src = jnp.asarray([[7, 9, 10], [3, 4, 0]], jnp.int32)
+    dst = jnp.asarray([[5, 6, 7], [2, 3, 0]], jnp.int32)
+    count = jnp.asarray([3, 1], jnp.int32)
+    moved = move_positions(cache, src, dst, count)
+
+    def at(pages, b, pos):
+        return np.asarray(pages[:, tables[b, pos // 4], pos % 4])
+
+    for layer in range(2):
+        for before, after in ((cache.k_pages[layer], moved.k_pages[layer]), (cache.v_pages[layer], moved.v_pages[layer])):
+            expect = np.asarray(before).copy()
+            for b in range(2):
+                for j in range(int(count[b])):
+                    s, d = int(src[b, j]), int(dst[b, j])
+                    expect[:, int(tables[b, d // 4]), d % 4] = at(before, b, s)  # reads come before writes
+            np.testing.assert_array_equal(np.asarray(after), expect)  # NaN where NaN, nothing else moved
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+SAMPLED_PROMPT = [3, 4, 3, 4, 3]
+
+
+def test_sampled_tree_follows_the_target():
+    small = tiny_model(tiny_config(vocab_size=12, num_layers=2), seed=1, scale=2.0)
+    exact = exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
+    counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, 4000,
+                                                     _tree_drafter(small.config, 6, 2, 3), eagle_params(small))
+    assert 0 < accepted < proposed, (accepted, proposed)
+    stat, threshold = chi_square_check(counts, exact)
+    assert stat < threshold, (stat, threshold)
