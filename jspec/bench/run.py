@@ -11,7 +11,8 @@ Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the refer
 history (``SpecConfig.ngram_history``): each prompt's lookup also searches the earlier prompts'
 text (the warm-up's is forgotten). A speculative method ``+dynamic`` lets the engine pick k per
 burst, 0 .. K, by its measured step costs (``SpecConfig.dynamic_k``), e.g. ``ngram:4+dynamic``
-beside ``ngram:4``; a draft, eagle or hybrid method ``+f32`` keeps its drafter's weights in float32
+beside ``ngram:4``; ``eagle:NAME:K+treeN[xW]`` drafts token trees of N nodes, K deep, each
+expansion W wide (``SpecConfig.tree_nodes``, ``tree_width``); a draft, eagle or hybrid method ``+f32`` keeps its drafter's weights in float32
 (``SpecConfig.draft_quantization`` None; by default they are Q8_0 blocks on the CPU). Every jspec method runs the prompts in order through one
 engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
 (:mod:`jspec.bench.peers`, with ``--peers transformers``): Hugging Face transformers' greedy
@@ -36,7 +37,7 @@ import re
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from jspec.config import CHECKPOINT_METHODS, SamplingParams, SpecConfig
+from jspec.config import CHECKPOINT_METHODS, DEFAULT_TREE_WIDTH, TREE_METHODS, SamplingParams, SpecConfig
 from jspec.engine.engine import LLMEngine, encode_prompt
 from jspec.engine.generate import engine_config, run_requests
 from jspec.errors import ConfigError, JspecError, optional_import
@@ -80,7 +81,8 @@ class Method:
 def parse_method(text: str) -> Method:
     """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]``, the
     speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``; hybrid ``+headN``: the
-    head drafts at most N; draft, eagle, hybrid ``+f32``: float32 drafter weights) -> a jspec Method."""
+    head drafts at most N; draft, eagle, hybrid ``+f32``: float32 drafter weights; eagle
+    ``+treeN`` or ``+treeNxW``: a token tree of N nodes, K deep, W wide (default 4)) -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:
@@ -96,14 +98,19 @@ def parse_method(text: str) -> Method:
         return Method("jspec ar", SpecConfig())
     suffixes = []  # taken off the end only: a checkpoint path may hold a "+"
     head = None  # +headN's N
-    while (m := re.search(r"\+(history|dynamic|head|f32)(\d*)$", rest)):
+    tree = None  # +treeN[xW]'s (N, W)
+    while (m := re.search(r"\+(history|dynamic|head|f32|tree)(\d*(?:x\d+)?)$", rest)):
         suffix, number = m.groups()
         if suffix in suffixes:
             raise ConfigError(f"method {text!r}: +{suffix} twice")
-        if (suffix == "head") != bool(number):
+        if (suffix in ("head", "tree")) != bool(number) or ("x" in number and suffix != "tree"):
             break  # +head without N, or a number after another suffix: part of the name
         suffixes.insert(0, suffix)
-        head = int(number) if number else head
+        if suffix == "tree":
+            nodes, _, width = number.partition("x")
+            tree = (int(nodes), int(width) if width else DEFAULT_TREE_WIDTH)
+        else:
+            head = int(number) if number else head
         rest = rest[:m.start()]
     if "history" in suffixes and kind not in ("ngram", "hybrid"):
         raise ConfigError(f"method {text!r}: only ngram and hybrid take +history")
@@ -117,7 +124,12 @@ def parse_method(text: str) -> Method:
     extra |= {"dynamic_k": True} if "dynamic" in suffixes else {}
     extra |= {"head_tokens": head} if head is not None else {}
     extra |= {"draft_quantization": None} if "f32" in suffixes else {}
-    tag = "".join(f" +{s}{head if s == 'head' else ''}" for s in suffixes)
+    if tree is not None:
+        if kind not in TREE_METHODS:
+            raise ConfigError(f"method {text!r}: +treeN is for {', '.join(TREE_METHODS)}")
+        extra |= {"tree_nodes": tree[0], "tree_width": tree[1]}
+    number = {"head": head, "tree": tree and f"{tree[0]}x{tree[1]}"}
+    tag = "".join(f" +{s}{number.get(s) or ''}" for s in suffixes)
     if kind == "ngram":
         k = k_of(rest)
         return Method(f"jspec ngram k={k}{tag}", SpecConfig("ngram", k, **extra))
