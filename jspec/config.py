@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 31  # drafted nodes of a token tree: with its root, one bit per row of an int32 mask
 DEFAULT_TREE_WIDTH = 4  # each expansion's best tokens when a tree budget names no width
-TREE_METHODS = ("eagle",)  # drafters that propose token trees
+TREE_METHODS = ("eagle", "hybrid")  # drafters that propose token trees
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
@@ -385,6 +385,15 @@ class SpecConfig:
                 raise ConfigError(f"tree max_nodes must be in [1, {MAX_TREE_NODES}], got {self.tree_nodes}")
             if not 1 <= self.tree_width <= self.tree_nodes:
                 raise ConfigError(f"tree max_width must be in [1, max_nodes = {self.tree_nodes}], got {self.tree_width}")
+            if self.head_tokens is not None:
+                raise ConfigError("head_tokens caps a chain; a token tree's budget is max_nodes")
+
+    @property
+    def drafts_per_step(self) -> int:
+        """The most drafted tokens one verification scores: a tree's nodes, else k (0: off)."""
+        if not self.enabled:
+            return 0
+        return self.tree_nodes if self.tree else self.num_speculative_tokens
 
     @property
     def tree(self) -> bool:

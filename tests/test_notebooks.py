@@ -61,7 +61,7 @@ def _text(nb) -> str:
 def test_notebooks_are_stored_without_outputs():
     names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb",
-                     "04_engine.ipynb", "05_train_a_draft.ipynb"]
+                     "04_engine.ipynb", "05_train_a_draft.ipynb", "06_token_trees.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -129,3 +129,18 @@ def test_train_a_draft(run_notebook):
     assert re.search(r"continued from smollm2-135m-eagle3 \(\d+ steps, \d+k tokens before", text)  # its lineage
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 1
+
+
+def test_token_trees(run_notebook):
+    nb, text = run_notebook("06_token_trees.ipynb")
+    tree = re.search(r"tree: (\d+) nodes, depth (\d+); accepted (\d+) node\(s\) and one more token: (\d+) tokens", text)
+    assert tree, text
+    nodes, depth, accepted, emitted = map(int, tree.groups())
+    assert 1 <= nodes <= 12 and 1 <= depth <= 4 and accepted <= depth and emitted == accepted + 1
+    assert "greedy identical to plain decoding for every chain and tree: yes" in text
+    rows = re.findall(r"^(chain k=\d|tree \d+x\d)\s+(\d+\.\d)\s+(\d+\.\d\d)$", text, re.M)
+    assert [name for name, *_ in rows] == ["chain k=1", "chain k=2", "chain k=4", "tree 4x2", "tree 8x3"]
+    for name, drafted, tokens in rows:
+        assert 1.0 <= float(tokens) <= float(drafted) + 1  # no more than the drafts plus the extra token
+    images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+    assert len(images) == 2

@@ -15,6 +15,7 @@ from helpers import (chi_square_check, eagle_params, exact_two_token_distributio
                      tiny_model)
 from jspec.config import SamplingParams
 from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [3, 4, 3, 4, 3], [9, 1], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 11]]
@@ -80,6 +81,15 @@ def test_move_positions_moves_only_the_named_positions():
                     s, d = int(src[b, j]), int(dst[b, j])
                     expect[:, int(tables[b, d // 4]), d % 4] = at(before, b, s)  # reads come before writes
             np.testing.assert_array_equal(np.asarray(after), expect)  # NaN where NaN, nothing else moved
+
+
+def test_greedy_hybrid_tree_equals_plain_greedy(target):
+    """Lookup chains where the context repeats, the head's trees elsewhere, in the same steps."""
+    want = jspec.generate(target, PROMPTS, GREEDY).token_ids
+    drafter = HybridDrafter(8, _tree_drafter(target.config, 8, 3, 3), n_max=3, n_min=2)
+    out = jspec.generate(target, PROMPTS, GREEDY, drafter=drafter, drafter_params=eagle_params(target))
+    assert out.token_ids == want
+    assert out.accepted_counts[1] > 0
 
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)

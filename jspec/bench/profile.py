@@ -84,7 +84,7 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
     These calls do not donate their state, so each includes a copy of the page pool (small for
     the short prompts this is run on); :class:`StepLoop` times the target step as the engine
     runs it."""
-    k = spec.num_speculative_tokens
+    k = spec.drafts_per_step
     engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
     state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
     params = engine.runner.params  # what the engine runs
@@ -103,6 +103,42 @@ def profile_step(model, prompt, spec: SpecConfig, sampling: SamplingParams = Sam
         step_ms=best_ms(whole, params, dparams, state, repeats=repeats),
         plain_step_ms=best_ms(plain_fn, params, state.replace(drafter=None), repeats=repeats),
         k=k)
+
+
+@dataclasses.dataclass
+class TreeTrace:
+    """One verification of a drafted token tree, for looking at (``trace_tree``)."""
+
+    context: list[int]  # the committed tokens; the last one is the tree's root
+    tokens: list[int]  # node tokens, parents first
+    parents: list[int]  # each node's parent (-1: the root)
+    accepted: list[int]  # the accepted path's nodes, root side first
+    next_token: int  # the target's extra token after the path
+
+
+def trace_tree(model, prompt, spec: SpecConfig, sampling: SamplingParams = SamplingParams(), *,
+               warm_steps: int = 2, attention: str = "auto") -> TreeTrace:
+    """Draft one tree (or chain) for ``prompt`` after ``warm_steps`` steps of decoding and verify
+    it as the engine's step does: the drafter's proposal, the target's verdict."""
+    engine = prepared_engine(model, prompt, spec, sampling, warm_steps=warm_steps, attention=attention)
+    state, drafter, dparams = engine.runner.state, engine.drafter, engine.runner.drafter_params
+    params = engine.runner.params
+    k = spec.drafts_per_step
+    step = engine._steps[k]
+    prop = jax.jit(lambda dp, p, s: drafter.propose(dp, p, s, s.sampling))(dparams, params, state)
+    num = jnp.full((1,), k, jnp.int32) if prop.num_drafts is None else jnp.minimum(prop.num_drafts, k)
+    _, (_, n, cand, _) = jax.jit(lambda p, s, pr: step._verify(p, s, pr, num, None, pr.target_cache))(
+        params, state, prop)
+    m = int(num[0])
+    tokens = [int(t) for t in prop.drafts[0, :m]]
+    parents = list(range(-1, m - 1)) if prop.parents is None else [int(x) for x in prop.parents[0, :m]]
+    cand, n = [int(t) for t in cand[0]], int(n[0])
+    path, cur = [], -1
+    for tok in cand[:n]:  # the accepted nodes: under the path's end, the first with the emitted token
+        cur = next(i for i in range(m) if parents[i] == cur and tokens[i] == tok)
+        path.append(cur)
+    seq = int(state.seq_lens[0])
+    return TreeTrace([int(t) for t in state.tokens[0, :seq]], tokens, parents, path, cand[n])
 
 
 # ---------------------------------------------------------------------------- per-op profile

@@ -11,7 +11,7 @@ Methods (:func:`parse_method`): ``ar`` (jspec's autoregressive decode, the refer
 history (``SpecConfig.ngram_history``): each prompt's lookup also searches the earlier prompts'
 text (the warm-up's is forgotten). A speculative method ``+dynamic`` lets the engine pick k per
 burst, 0 .. K, by its measured step costs (``SpecConfig.dynamic_k``), e.g. ``ngram:4+dynamic``
-beside ``ngram:4``; ``eagle:NAME:K+treeN[xW]`` drafts token trees of N nodes, K deep, each
+beside ``ngram:4``; ``eagle:NAME:K+treeN[xW]`` (and hybrid) drafts token trees of N nodes, K deep, each
 expansion W wide (``SpecConfig.tree_nodes``, ``tree_width``); a draft, eagle or hybrid method ``+f32`` keeps its drafter's weights in float32
 (``SpecConfig.draft_quantization`` None; by default they are Q8_0 blocks on the CPU). Every jspec method runs the prompts in order through one
 engine of its own (:class:`EngineRunner`), its prefix cache emptied before each prompt. Peers
@@ -82,7 +82,7 @@ def parse_method(text: str) -> Method:
     """``ar | ngram[:K] | layerskip:L[:K] | draft:NAME[:K] | eagle:NAME[:K] | hybrid:NAME[:K]``, the
     speculative ones optionally ``+dynamic`` (and ngram, hybrid ``+history``; hybrid ``+headN``: the
     head drafts at most N; draft, eagle, hybrid ``+f32``: float32 drafter weights; eagle
-    ``+treeN`` or ``+treeNxW``: a token tree of N nodes, K deep, W wide (default 4)) -> a jspec Method."""
+    and hybrid ``+treeN`` or ``+treeNxW``: a token tree of N nodes, K deep, W wide (default 4)) -> a jspec Method."""
     kind, _, rest = text.strip().partition(":")
 
     def k_of(s: str) -> int:

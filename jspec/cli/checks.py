@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
-from jspec.config import (CHECKPOINT_METHODS, HEAD_METHODS, CacheConfig, ModelConfig, SamplingParams, SpecConfig,
-                          kv_cache_array_dtype)
+from jspec.config import (CHECKPOINT_METHODS, DEFAULT_TREE_WIDTH, HEAD_METHODS, CacheConfig, ModelConfig,
+                          SamplingParams, SpecConfig, kv_cache_array_dtype)
 from jspec.errors import ConfigError, PromptError
 
 DEFAULT_K = 4
@@ -51,6 +52,15 @@ def parse_spec(value: str, k: int) -> SpecConfig:
             raise ConfigError(f"--spec {method}:PATH needs a checkpoint path")
         return SpecConfig(method, num_speculative_tokens=k, draft=arg)
     raise ConfigError(f"--spec must be none, ngram, layerskip:L, draft:PATH, eagle:PATH or hybrid:PATH, got {value!r}")
+
+
+def with_tree(spec: SpecConfig, nodes: int, width) -> SpecConfig:
+    """``spec`` with the token-tree budget of --tree-nodes / --tree-width (checked by SpecConfig)."""
+    if width is not None and not nodes:
+        raise ConfigError("--tree-width needs --tree-nodes")
+    if not nodes:
+        return spec
+    return dataclasses.replace(spec, tree_nodes=nodes, tree_width=DEFAULT_TREE_WIDTH if width is None else width)
 
 
 def _check_attention(impl: str) -> None:
@@ -124,7 +134,7 @@ def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: Samplin
     if spec.method == "layerskip" and not 1 <= spec.layerskip_layers < config.num_layers:
         raise ConfigError(f"layerskip:L needs 1 <= L < {config.num_layers} (the target's layers), "
                           f"got {spec.layerskip_layers}")
-    k = spec.num_speculative_tokens if spec.enabled else 0
+    k = spec.drafts_per_step
     slots = sum(run_tokens(len(p.encode("utf-8")), sampling.max_tokens, k, cache_config.page_size, context, chat)
                 for p in prompts)
     weights, staging = load_bytes(config)
@@ -137,4 +147,4 @@ def generate_fits(config: ModelConfig, prompts: Sequence[str], sampling: Samplin
         memory.check_fits(weights + kv, what, device=device)
 
 
-__all__ = ["generate_options", "generate_fits", "parse_spec", "text_argument", "run_tokens"]
+__all__ = ["generate_options", "generate_fits", "parse_spec", "text_argument", "run_tokens", "with_tree"]

@@ -44,6 +44,10 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
+    g.add_argument("--tree-nodes", type=int, default=0, metavar="N",
+                   help="--spec eagle: draft token trees of up to N nodes (1..31), k deep (default 0: a chain of k)")
+    g.add_argument("--tree-width", type=int, default=None, metavar="W",
+                   help="with --tree-nodes: each expansion keeps its W most probable tokens (default 4)")
     g.add_argument("--head-tokens", type=int, default=None, metavar="N",
                    help="--spec hybrid: the head drafts at most N tokens where lookup finds no match (default: k)")
     g.add_argument("--ngram-history", type=int, default=0, metavar="TOKENS",
@@ -160,6 +164,7 @@ def _requests(args):
         spec = dataclasses.replace(spec, head_tokens=args.head_tokens)  # checked by SpecConfig
     if args.draft_quantization == "none":
         spec = dataclasses.replace(spec, draft_quantization=None)
+    spec = checks.with_tree(spec, args.tree_nodes, args.tree_width)
     params = []
     for i, it in enumerate(items):
         over = {k: (tuple(v) if k == "stop" and isinstance(v, list) else v) for k, v in it.items() if k != "prompt"}
@@ -175,7 +180,7 @@ def _engine_config(args, model, prompts, params, spec, seqs: int):
     from jspec.config import EngineConfig
     from jspec.engine.layout import batched_tokens
 
-    k = spec.num_speculative_tokens if spec.enabled else 0
+    k = spec.drafts_per_step
     longest = max(len(model.tokenizer(p)["input_ids"]) + sp.max_tokens for p, sp in zip(prompts, params))
     context = model.config.max_position_embeddings
     max_model_len = min(context, checks.run_tokens(0, longest, 0, args.page_size, context, args.chat))
@@ -238,6 +243,10 @@ def _print_results(args, engine, reqs, model, spec, total_s: float, compile_s: f
                                                    _sum_pos(reqs, "num_draft_tokens_per_pos"))]
         line += (f"; {spec.method} k={k}{' (dynamic)' if spec.dynamic_k else ''}: mean accepted length "
                  f"{s.mean_acceptance_length:.2f}, acceptance per position [{', '.join(f'{a:.2f}' for a in acc)}]")
+        if spec.tree and s.num_drafts:
+            line += (f"; token trees of {spec.tree_nodes} nodes (width {spec.tree_width}): "
+                     f"{s.accepted_per_verification:.2f} tokens and {s.draft_tokens_per_verification:.1f} nodes "
+                     "per verification")
     if s.cached_prompt_tokens:
         line += f"; prefix cache hit rate {s.prefix_cache_hit_rate:.0%}"
     print(line, file=sys.stderr)

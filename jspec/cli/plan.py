@@ -41,6 +41,8 @@ def add_plan_parser(sub, default_model: str) -> None:
     p.add_argument("--spec", default="none", help="none | ngram | layerskip:L | draft:PATH | eagle:PATH | hybrid:PATH")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="drafts per verification (default 4)")
     p.add_argument("--dynamic-k", action="store_true", help="the engine picks k per burst (more programs)")
+    p.add_argument("--tree-nodes", type=int, default=0, metavar="N", help="--spec eagle: token trees of N nodes")
+    p.add_argument("--tree-width", type=int, default=None, metavar="W", help="with --tree-nodes (default 4)")
     add_numerics_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
@@ -48,14 +50,14 @@ def add_plan_parser(sub, default_model: str) -> None:
 
 def _options(args):
     """Every option checked before the config is read: (SpecConfig, EngineConfig fields, bytes)."""
-    from jspec.cli.checks import parse_spec
+    from jspec.cli.checks import parse_spec, with_tree
     from jspec.errors import ConfigError
     from jspec.loading.memory import parse_bytes
 
     k = args.num_speculative_tokens
     if k is not None and args.spec == "none":
         raise ConfigError("--num-speculative-tokens needs --spec")
-    spec = parse_spec(args.spec, 4 if k is None else k)
+    spec = with_tree(parse_spec(args.spec, 4 if k is None else k), args.tree_nodes, args.tree_width)
     if args.dynamic_k:
         if not spec.enabled:
             raise ConfigError("--dynamic-k needs --spec")
@@ -91,7 +93,7 @@ def cmd_plan(args) -> int:
     max_model_len = args.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > context:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens")
-    k = spec.num_speculative_tokens if spec.enabled else 0
+    k = spec.drafts_per_step
     draft, drafter_params = drafter_geometry(spec.method, spec.draft, model, args.dtype) if spec.enabled else (None, 0)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens or batched_tokens(args.max_num_seqs, k),

@@ -133,7 +133,7 @@ def serve_options(args):
     check_tp_option(args)
     from jspec.engine.layout import batched_tokens  # after check_tp_option: it imports jax
 
-    k = spec.num_speculative_tokens if spec.enabled else 0
+    k = spec.drafts_per_step
     config = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens or batched_tokens(args.max_num_seqs, k),
                           page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,

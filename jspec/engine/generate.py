@@ -104,7 +104,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
         if len(p) + sampling.max_tokens > context:
             raise PromptError(f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} that exceeds "
                               f"the model's context of {context} tokens")
-    k = drafter.k if drafter is not None else (spec.num_speculative_tokens if spec.enabled else 0)
+    k = drafter.k if drafter is not None else spec.drafts_per_step
     config = engine_config(model, ids, sampling, k, cache_config, attention, tensor_parallel_size,
                            stream_interval if on_tokens is not None else None, max_num_seqs=generate_slots(b),
                            dynamic_k=spec.dynamic_k, kv_cache_dtype=kv_cache_dtype,

@@ -56,6 +56,16 @@ class RequestMetrics:
         return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
 
     @property
+    def accepted_per_verification(self) -> Optional[float]:
+        """Tokens a verification emits: its accepted drafts plus the extra token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def draft_tokens_per_verification(self) -> Optional[float]:
+        """Drafted tokens a verification scores (a tree's nodes)."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
     def mean_acceptance_length(self) -> Optional[float]:
         """Tokens per target forward (accepted drafts + the bonus/recovered token); None
         before the first step."""

@@ -21,6 +21,10 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   reads the token buffer (and, with ``history``, the lookup history that rides in the head's
   parameters under "history").
 
+Token trees (a head with a tree budget): a row with a match proposes the lookup's continuation
+as a chain (the tree of width one, up to the head's depth), a row without one the head's tree;
+both are deterministic candidates, so q is one-hot for every row.
+
 Cost: a step in which every running row has a match pays the lookup and one head forward (the
 entry ``observe`` needs); a step with any row without one pays the head's whole chain (k, or
 ``head_k``, head forwards), as an EAGLE step does.
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
+from jspec.speculative import tree as tree_lib
 from jspec.speculative.control import cond_in_place
 from jspec.speculative.drafters.base import Proposal
 from jspec.speculative.drafters.eagle import EagleDrafter, EagleState, make_eagle_drafter
@@ -58,7 +63,7 @@ class HybridDrafter:
     head_k: Optional[int] = None  # the head drafts at most this many tokens (None: k); the lookup up to k
 
     def __post_init__(self):  # the head drafts min(head_k, k), also after dataclasses.replace(hybrid, k=...)
-        k = self.k if self.head_k is None else min(self.head_k, self.k)
+        k = self.k if self.head_k is None or self.head.tree_width else min(self.head_k, self.k)
         if self.head.k != k:  # (the engine makes one drafter per k it may run: dynamic k)
             object.__setattr__(self, "head", dataclasses.replace(self.head, k=k))
 
@@ -76,7 +81,9 @@ class HybridDrafter:
 
     @property
     def lookup(self) -> NgramDrafter:
-        return NgramDrafter(self.k, self.n_max, self.n_min, self.history)
+        """The n-gram half: k drafts, or with a tree the head's depth (within its k nodes)."""
+        k = min(self.head.tree_depth, self.k) if self.head.tree_width else self.k
+        return NgramDrafter(k, self.n_max, self.n_min, self.history)
 
     def remember(self, drafter_params: dict, texts) -> dict:
         return self.lookup.remember(drafter_params, texts)
@@ -99,7 +106,29 @@ class HybridDrafter:
     def catch_up(self, drafter_params, target_params, prev_state, state, hidden) -> EagleState:
         return self.head.catch_up(drafter_params, target_params, prev_state, state, hidden)
 
+    def _propose_tree(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        """The lookup's chain where it matches, the head's tree elsewhere (see the module doc)."""
+        found = self.lookup.propose(drafter_params, target_params, state, sampling)  # drafts [B, depth]
+        use = found.num_drafts > 0
+        b, n = found.drafts.shape[0], self.k
+        chain = jnp.pad(found.drafts, ((0, 0), (0, n - found.drafts.shape[1])))
+        chain_parents = tree_lib.chain_parents(b, n)
+
+        def lookup_only(d):
+            return self.head.advance(drafter_params, target_params, state.replace(drafter=d)), (chain, chain_parents)
+
+        def mixed(d):
+            tree = self.head.propose(drafter_params, target_params, state.replace(drafter=d), sampling)
+            return tree.drafter_state, (jnp.where(use[:, None], chain, tree.drafts),
+                                        jnp.where(use[:, None], chain_parents, tree.parents))
+
+        dstate, (drafts, parents) = cond_in_place(jnp.all(use | state.done), lookup_only, mixed, state.drafter)
+        num = jnp.where(use, found.num_drafts, jnp.where(state.done, 0, n)).astype(jnp.int32)
+        return Proposal(drafts.astype(jnp.int32), None, dstate, state.cache, num, parents)
+
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
+        if self.head.tree_width:
+            return self._propose_tree(drafter_params, target_params, state, sampling)
         found = self.lookup.propose(drafter_params, target_params, state, sampling)  # drafts [B, k], num [B]
         use = found.num_drafts > 0  # [B]: the context has a match
         lookup_q = one_hot_logits(found.drafts, self.config.vocab_size)  # [B, k, V]
@@ -127,8 +156,8 @@ class HybridDrafter:
 def make_hybrid_drafter(spec, target, attention: str = "reference"):
     """(HybridDrafter, the head's params) from an EAGLE checkpoint and the spec's n-gram settings."""
     head, params = make_eagle_drafter(spec, target, attention)
-    drafter = HybridDrafter(spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min, spec.ngram_history,
-                            spec.head_tokens)
+    drafter = HybridDrafter(head.k if spec.tree else spec.num_speculative_tokens, head, spec.ngram_max, spec.ngram_min,
+                            spec.ngram_history, spec.head_tokens)
     if spec.ngram_history:
         params = {**params, **drafter.lookup.init_params()}
     return drafter, params
