@@ -30,7 +30,7 @@ def _tree_drafter(cfg, nodes=8, depth=3, width=3):
     return EagleDrafter(nodes, cfg, tree_depth=depth, tree_width=width)
 
 
-@pytest.mark.parametrize("nodes, depth, width", [(8, 3, 3), (4, 4, 1), (12, 4, 4)])
+@pytest.mark.parametrize("nodes, depth, width", [(8, 3, 3), (4, 4, 1), (12, 4, 4), (8, 3, 1)])  # (8, 3, 1): 3 candidates for 8 nodes
 def test_greedy_tree_equals_plain_greedy(target, nodes, depth, width):
     want = jspec.generate(target, PROMPTS, GREEDY).token_ids
     out = jspec.generate(target, PROMPTS, GREEDY, drafter=_tree_drafter(target.config, nodes, depth, width),

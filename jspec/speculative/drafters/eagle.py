@@ -200,9 +200,12 @@ class EagleDrafter:
             front_feat = jnp.take_along_axis(chained, parent_row[..., None], axis=1)
             front_bits = jnp.take_along_axis(buf_bits[:, lo:lo + w], parent_row, axis=1)
             total += w * w
+        keep = min(self.k, total)  # a narrow, shallow budget may offer fewer candidates than k nodes
         nodes, node_parents = tree_lib.select_nodes(jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
-                                                    jnp.concatenate(parents, 1), jnp.concatenate(depths), self.k)
-        num = jnp.where(running, self.k, 0).astype(jnp.int32)
+                                                    jnp.concatenate(parents, 1), jnp.concatenate(depths), keep)
+        pad = ((0, 0), (0, self.k - keep))
+        nodes, node_parents = jnp.pad(nodes, pad), jnp.pad(node_parents, pad, constant_values=-1)
+        num = jnp.where(running, keep, 0).astype(jnp.int32)
         return Proposal(nodes, None, self._with_cache(state.drafter, cache), state.cache, num, node_parents)
 
     def advance(self, drafter_params, target_params, state: DecodeState) -> EagleState:

@@ -22,8 +22,10 @@ each row's proposal is an ordinary drafter's proposal and verification stays los
   parameters under "history").
 
 Token trees (a head with a tree budget): a row with a match proposes the lookup's continuation
-as a chain (the tree of width one, up to the head's depth), a row without one the head's tree;
-both are deterministic candidates, so q is one-hot for every row.
+as a chain (up to the head's depth) and, beside it under the root, the head's tree cut to the
+remaining nodes (its shallowest first, which keeps every node's parent); a row without a match
+proposes the head's whole tree. All are deterministic candidates, so q is one-hot for every row
+(a head node that repeats a lookup node is rejected with it: harmless).
 
 Cost: a step in which every running row has a match pays the lookup and one head forward (the
 entry ``observe`` needs); a step with any row without one pays the head's whole chain (k, or
@@ -39,7 +41,6 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.speculative import tree as tree_lib
 from jspec.speculative.control import cond_in_place
 from jspec.speculative.drafters.base import Proposal
 from jspec.speculative.drafters.eagle import EagleDrafter, EagleState, make_eagle_drafter
@@ -107,24 +108,20 @@ class HybridDrafter:
         return self.head.catch_up(drafter_params, target_params, prev_state, state, hidden)
 
     def _propose_tree(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
-        """The lookup's chain where it matches, the head's tree elsewhere (see the module doc)."""
+        """The lookup's chain beside the head's tree (see the module doc)."""
         found = self.lookup.propose(drafter_params, target_params, state, sampling)  # drafts [B, depth]
-        use = found.num_drafts > 0
-        b, n = found.drafts.shape[0], self.k
+        tree = self.head.propose(drafter_params, target_params, state, sampling)  # k nodes
+        n = self.k
+        m = found.num_drafts[:, None]  # [B, 1]: lookup nodes first
+        j = jnp.arange(n, dtype=jnp.int32)[None, :]
         chain = jnp.pad(found.drafts, ((0, 0), (0, n - found.drafts.shape[1])))
-        chain_parents = tree_lib.chain_parents(b, n)
-
-        def lookup_only(d):
-            return self.head.advance(drafter_params, target_params, state.replace(drafter=d)), (chain, chain_parents)
-
-        def mixed(d):
-            tree = self.head.propose(drafter_params, target_params, state.replace(drafter=d), sampling)
-            return tree.drafter_state, (jnp.where(use[:, None], chain, tree.drafts),
-                                        jnp.where(use[:, None], chain_parents, tree.parents))
-
-        dstate, (drafts, parents) = cond_in_place(jnp.all(use | state.done), lookup_only, mixed, state.drafter)
-        num = jnp.where(use, found.num_drafts, jnp.where(state.done, 0, n)).astype(jnp.int32)
-        return Proposal(drafts.astype(jnp.int32), None, dstate, state.cache, num, parents)
+        head = jnp.clip(j - m, 0, n - 1)  # the head's node at merged position j >= m
+        head_tok = jnp.take_along_axis(tree.drafts, head, axis=1)
+        head_par = jnp.take_along_axis(tree.parents, head, axis=1)
+        drafts = jnp.where(j < m, chain, head_tok)
+        parents = jnp.where(j < m, j - 1, jnp.where(head_par >= 0, head_par + m, -1))
+        num = jnp.where(state.done, 0, jnp.minimum(m[:, 0] + tree.num_drafts, n)).astype(jnp.int32)
+        return Proposal(drafts.astype(jnp.int32), None, tree.drafter_state, state.cache, num, parents)
 
     def propose(self, drafter_params, target_params, state: DecodeState, sampling) -> Proposal:
         if self.head.tree_width:
