@@ -24,6 +24,8 @@ order, each starting only while the time budget lasts:
     llama    Llama-8B heads (Hq 32, KVH 8, D 128, page 16, bf16): B x context x T in {1, 5}
     sweep    num_splits / block_k / num_stages / num_warps around the tuned plan, two shapes
     extra    T = 17 at G = 8 (Hq 64, KVH 8), then SmolLM2-135M heads (9 / 3, D 64)
+    trees    token-tree verification (a random tree's ancestor mask): parity at T = 17 and 32,
+             then Llama-8B heads at T = 1 (a decode step), 17 and 32 (16- and 31-node trees)
 
 Per timed shape: the plan (block_q, block_k, splits, live programs per SM, warps, stages);
 kernel us (the Pallas kernel alone, from the profiler's device trace); device us (every device
@@ -68,7 +70,7 @@ from pallas_kernels.paged_verify_attention import (  # noqa: E402
 HBM_READ_BPS = 4.8e12  # H200 HBM3e
 L2_BYTES = 50 * 2**20  # H200 L2
 PAGE_SIZE = 16
-SECTIONS = ("parity", "llama", "sweep", "extra")
+SECTIONS = ("parity", "llama", "sweep", "extra", "trees")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +247,17 @@ def kernel_fn(interpret: bool, **tiles):
     return jax.jit(functools.partial(paged_verify_attention, interpret=interpret, **tiles))
 
 
+def random_tree_mask(batch: int, t: int, seed: int) -> jax.Array:
+    """int32 [batch, t]: the attention contract's tree_mask of a random tree of t - 1 nodes per
+    sequence (row 0 the root; bit j of row r: r sees row j, its ancestors and itself)."""
+    rng = np.random.default_rng(seed)
+    bits = np.ones((batch, t), np.int64)
+    for i in range(1, t):  # row i's parent: the root or an earlier row
+        parent = rng.integers(0, i, batch)
+        bits[:, i] = bits[np.arange(batch), parent] | (1 << i)
+    return jnp.asarray(bits.astype(np.uint32).view(np.int32))
+
+
 def kernel_name(plan: tuning.TilePlan) -> str:
     return (f"_bq{plan.block_q}_bk{plan.block_k}_s{plan.num_splits}_w{plan.num_warps}"
             f"_st{plan.num_stages}")
@@ -318,9 +331,9 @@ TIMING_HEADER = ("| heads | B | T | ctx | block_q | block_k | splits | prog/SM |
 TIMING_RULE = "|" + "---|" * (TIMING_HEADER.count("|") - 1)
 
 
-def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: dict) -> None:
+def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: dict, tree: bool = False) -> None:
     rep = cx.report
-    what = f"{heads.name} | {batch} | {t} | {ctx}"
+    what = f"{heads.name} | {batch} | {t}{' tree' if tree else ''} | {ctx}"
     if cx.skip(what):
         return
     try:
@@ -339,6 +352,9 @@ def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: d
         iters = 2 if cx.smoke else int(np.clip(0.1 / (io_bytes / 3e12 + 5e-6), 5, 200))
 
         kern = kernel_fn(cx.interpret)
+        if tree:  # the same call with a random tree's mask
+            mask = random_tree_mask(batch, t, batch * 31 + t)
+            kern = jax.jit(functools.partial(paged_verify_attention, interpret=cx.interpret, tree_mask=mask))
         e2e = wall_us(kern, sets, iters)
         kernel_us = device_us = float("nan")
         events = {}
@@ -363,12 +379,12 @@ def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: d
             ref = float("nan")
             rep.error(f"{what} reference", e)
         pct = 100 * io_bytes / (kernel_us * 1e-6) / HBM_READ_BPS  # nan without a trace
-        row = (f"| {heads.name} | {batch} | {t} | {ctx} | {plan.block_q} | {plan.block_k} | "
+        row = (f"| {heads.name} | {batch} | {t}{' tree' if tree else ''} | {ctx} | {plan.block_q} | {plan.block_k} | "
                f"{plan.num_splits} | {per_sm:.2f} | {plan.num_warps} | {plan.num_stages} | "
                f"{kernel_us:.1f} | {device_us:.1f} | {e2e:.1f} | {pct:.0f}% | {ref:.1f} | "
                f"{ref / e2e:.2f}x |")
         rep.line(row)
-        rep.record("timing", heads=heads.name, batch=batch, t=t, ctx=ctx, copies=copies,
+        rep.record("timing", heads=heads.name, batch=batch, t=t, tree=tree, ctx=ctx, copies=copies,
                    plan=dataclasses.asdict(plan), programs_per_sm=per_sm, kernel_us=kernel_us,
                    device_us=device_us, e2e_us=e2e, hbm_pct=pct, reference_us=ref,
                    bytes=io_bytes, iters=iters, interpret=cx.interpret)
@@ -377,9 +393,9 @@ def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: d
             t1_kernel[key] = (kernel_us, e2e)
         elif key in t1_kernel:
             k1, e1 = t1_kernel[key]
-            rep.line(f"| {heads.name} | {batch} | T={t} / T=1 | {ctx} | "
+            rep.line(f"| {heads.name} | {batch} | T={t}{' tree' if tree else ''} / T=1 | {ctx} | "
                      f"kernel {kernel_us / k1:.2f}x, e2e {e2e / e1:.2f}x |")
-            rep.record("t_ratio", heads=heads.name, batch=batch, t=t, ctx=ctx,
+            rep.record("t_ratio", heads=heads.name, batch=batch, t=t, tree=tree, ctx=ctx,
                        kernel_ratio=kernel_us / k1, e2e_ratio=e2e / e1)
         del sets
     except Exception as e:  # noqa: BLE001 -- report, keep going
@@ -475,10 +491,48 @@ def section_extra(cx: Ctx) -> None:
             time_shape(cx, SMOLLM2, batch, t, ctx, t1)
 
 
+def section_trees(cx: Ctx) -> None:
+    """Token-tree verification: the kernel with a tree mask against the reference with it
+    (poisoned caches), then its time beside a decode step's (T = 1) at 16 and 31 nodes."""
+    rep = cx.report
+    rep.line("\n## Token trees: parity with the reference, then T = 17 and 32 tree rows against T = 1\n")
+    rep.line("| case | dtype | max abs err | tolerance | ok |")
+    rep.line("|---|---|---|---|---|")
+    rng = np.random.default_rng(1)
+    heads = TINY if cx.smoke else LLAMA8B
+    for kv_lens, q_lens, t in (((40, 90), (17, 9), 17), ((700, 33), (32, 20), 32)):
+        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
+            what = f"{heads.name} tree kv={kv_lens} q={q_lens} | {jnp.dtype(dtype).name}"
+            if cx.skip(what):
+                continue
+            try:
+                kargs, rargs = poisoned_case(rng, heads, kv_lens, q_lens, t, dtype)
+                mask = random_tree_mask(len(kv_lens), t, t)
+                out = np.asarray(kernel_fn(cx.interpret, tree_mask=mask)(*kargs), np.float32)
+                ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, tree_mask=mask))(*rargs),
+                                 np.float32)
+                finite = bool(np.isfinite(out).all())
+                err = float(np.max(np.abs(out - ref))) if finite else float("nan")
+                ok = finite and bool(np.allclose(out, ref, atol=tol, rtol=tol))
+                rep.line(f"| {what} | {err:.2e} | {tol:g} | {'yes' if ok else '**NO**'} |")
+                rep.record("tree_parity", case=what, max_abs_err=err, ok=ok)
+            except Exception as e:  # noqa: BLE001 -- report, keep going
+                rep.error(what, e)
+    rep.line("")
+    rep.line(TIMING_HEADER)
+    rep.line(TIMING_RULE)
+    t1: dict = {}
+    shapes = [(1, 40)] if cx.smoke else [(1, 4096), (16, 4096)]
+    for batch, ctx in shapes:
+        time_shape(cx, heads, batch, 1, ctx, t1)
+        for t in ((17,) if cx.smoke else (17, 32)):
+            time_shape(cx, heads, batch, t, ctx, t1, tree=True)
+
+
 def run_section(name: str, args) -> None:
     cx = Ctx(args)
     {"parity": section_parity, "llama": section_llama, "sweep": section_sweep,
-     "extra": section_extra}[name](cx)
+     "extra": section_extra, "trees": section_trees}[name](cx)
 
 
 # ------------------------------------------------------------------------------ driver

@@ -294,9 +294,18 @@ def test_a_stalled_body_gets_408_and_a_silent_connection_is_closed(server):
 
 def test_a_burst_past_the_queue_bound_gets_429_with_retry_after(server):
     """40 requests at once at a bound of 12 waiting: the ones past it get 429 with Retry-After
-    at once, every other one completes; then the server is idle."""
+    at once, every other one completes; then the server is idle. Each client connects first and
+    all send together, and each asks for 96 tokens: the 40 arrive within milliseconds, while the
+    4 slots need seconds to drain the queue, however loaded the machine is."""
+    gate = threading.Barrier(40)
+    headers = {"Authorization": f"Bearer {KEY}"}
+
     def one(i):
-        return complete(server, prompt=f"def f{i}(x):", max_tokens=24)
+        with httpx.Client(base_url=server.url, headers=headers, timeout=120) as c:
+            assert c.get("/health").status_code == 200  # the connection is open before the burst
+            gate.wait(timeout=60)
+            return c.post("/v1/completions", json={"model": NAME, "prompt": f"def f{i}(x):", "max_tokens": 96,
+                                                   "temperature": 0.0, "ignore_eos": True})
 
     with concurrent.futures.ThreadPoolExecutor(40) as pool:
         replies = list(pool.map(one, range(40)))
