@@ -203,6 +203,88 @@ class CacheConfig:
 
 
 MAX_SEED = 2**63 - 1
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar's text
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output text, vLLM's ``StructuredOutputsParams``: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text): the output is one JSON value that
+      follows it;
+    - ``json_object``: True: the output is any JSON object (OpenAI's ``json_object`` format);
+    - ``regex``: a regular expression the whole output matches (Rust ``regex`` syntax);
+    - ``choice``: a list of strings: the output is one of them;
+    - ``grammar``: a context-free grammar, in Lark syntax or llama.cpp's GBNF.
+
+    The schema is kept as compact JSON text (its keys in the given order: a schema's property
+    order is the order the output writes them), so the parameters stay hashable and equal
+    schemas share one compiled grammar. The values are checked for their types here;
+    whether they compile (a valid schema, regex or grammar) is checked against the model's
+    tokenizer when a request is queued (:mod:`jspec.structured`), before anything runs.
+    """
+
+    json: Optional[object] = None
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        import json as json_lib
+
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                raise ConfigError(f"structured output json_object must be a bool, got {self.json_object!r}")
+            given.append("json_object")
+        if len(given) != 1:
+            raise ConfigError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                              f"got {', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json_lib.loads(schema)
+                except ValueError as e:
+                    raise ConfigError(f"structured output json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ConfigError(f"structured output json must be a JSON schema (an object), got "
+                                  f"{type(schema).__name__}")
+            object.__setattr__(self, "json", json_lib.dumps(schema, separators=(",", ":")))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"structured output {name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            c = self.choice
+            if isinstance(c, str) or not isinstance(c, (list, tuple)) or not c or \
+                    not all(isinstance(x, str) and x for x in c):
+                raise ConfigError(f"structured output choice must be a non-empty list of non-empty strings, got {c!r}")
+            object.__setattr__(self, "choice", tuple(c))
+        size = len(self.json or self.regex or self.grammar or "") + sum(map(len, self.choice or ()))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ConfigError(f"structured output is {size} characters, more than {MAX_CONSTRAINT_CHARS}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+    @classmethod
+    def from_dict(cls, d) -> "StructuredOutputsParams":
+        """From vLLM's request fields (``{"json": ...}``, ``{"regex": ...}``, ...): unknown keys
+        are refused by name."""
+        if isinstance(d, StructuredOutputsParams):
+            return d
+        if not isinstance(d, dict):
+            raise ConfigError(f"structured outputs must be an object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"structured outputs: unknown field(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +303,9 @@ class SamplingParams:
       token position, so a request samples the same alone or batched); None: the engine picks;
     - ``ignore_eos``: keep generating past the model's EOS tokens;
     - ``num_speculative_tokens``: this request's cap on drafts per step (0: no speculation;
-      None: the engine's setting). A jspec extension.
+      None: the engine's setting). A jspec extension;
+    - ``structured_outputs``: a :class:`StructuredOutputsParams` (or a dict of its fields): the
+      output follows a JSON schema, a regex, a choice or a grammar (:mod:`jspec.structured`).
 
     The checks are those of the values the device computes with: temperature and top-p travel as
     float32, top-k and token counts as int32, the seed as the two uint32 words of a threefry key.
@@ -249,8 +333,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     num_speculative_tokens: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         t = _float(self.temperature)
         if t is None or not 0 <= t < math.inf or math.isinf(float32(t)):
             raise ConfigError(f"temperature must be a finite number in [0, {FLOAT32_MAX:.4g}] (float32), "

@@ -307,3 +307,15 @@ def argmax(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.preferred("small_rows"):
         return small_rows.row_argmax(x)
     return small_rows.row_argmax_reference(x)
+
+
+def apply_token_masks(logits: jax.Array, masks: jax.Array) -> jax.Array:
+    """``logits`` [..., V] with every token whose bit is 0 in ``masks`` [..., ceil(V / 32)]
+    (int32 words, bit v % 32 of word v // 32: a structured-output constraint) set to -inf."""
+    return jnp.where(token_mask_bits(masks, logits.shape[-1]), logits, -jnp.inf)
+
+
+def token_mask_bits(masks: jax.Array, vocab: int) -> jax.Array:
+    """bool [..., vocab]: the tokens ``masks`` (int32 words [..., ceil(vocab / 32)]) allow."""
+    tok = jnp.arange(vocab, dtype=jnp.int32)
+    return ((jnp.take(masks, tok >> 5, axis=-1) >> (tok & 31)) & 1).astype(bool)

@@ -165,8 +165,10 @@ def chi_square_check(counts, probs, z: float = 4.75):
     return stat, float(threshold)
 
 
-def exact_two_token_distribution(model, prompt, sp):
-    """p(x1, x2 | prompt) under the target with the sampling processing, by enumeration."""
+def exact_two_token_distribution(model, prompt, sp, allowed1=None, allowed2=None):
+    """p(x1, x2 | prompt) under the target with the sampling processing, by enumeration; with
+    ``allowed1`` (bool [V]) and ``allowed2`` (bool [V, V]: after x1, row x1), the constrained
+    law: refused tokens' logits at -inf before the processing, as structured output does."""
     import jax.numpy as jnp
 
     from jspec.cache import init_cache
@@ -185,8 +187,13 @@ def exact_two_token_distribution(model, prompt, sp):
         cache = init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, tables, b * pages, 16)
         return fwd(model.params, seqs, cache, jnp.full((b,), t, jnp.int32))[:, -1]
 
-    p1 = np.asarray(probs(logits_after([prompt]), sp))[0]  # [V]
-    p2 = np.asarray(probs(logits_after([prompt + [x] for x in range(v)]), sp))  # [V, V]
+    l1 = logits_after([prompt])  # [1, V]
+    l2 = logits_after([prompt + [x] for x in range(v)])  # [V, V]
+    if allowed1 is not None:
+        l1 = jnp.where(jnp.asarray(allowed1)[None], l1, -jnp.inf)
+        l2 = jnp.where(jnp.asarray(allowed2), l2, -jnp.inf)
+    p1 = np.asarray(probs(l1, sp))[0]  # [V]
+    p2 = np.nan_to_num(np.asarray(probs(l2, sp)))  # [V, V] (rows after a refused x1: never reached)
     return p1[:, None] * p2
 
 

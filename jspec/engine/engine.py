@@ -66,6 +66,7 @@ from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter, on_path
 from jspec.speculative.steps import PlainStep, SpecStep
+from jspec.structured import NO_CONSTRAINT, ConstraintTable, GrammarCompiler
 from jspec.timing import compile_seconds
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._last_steps = 0
+        self.constraints: Optional[ConstraintTable] = None  # built with the first constrained request
+        self._constrained_steps: dict[int, object] = {}
         self.stats = EngineStats(self.k_max, bursts_by_slots={n: 0 for n in self.buckets})
 
     # ------------------------------------------------------------------ construction
@@ -326,6 +329,8 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"request {request_id}: token ids outside [0, {vocab})")
         self.check_length(request_id, len(ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self.check_constraint(params)
         order = next(self._order)
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + order) % (2**63)
         now = time.perf_counter() if arrival_time is None else arrival_time
@@ -335,6 +340,32 @@ class LLMEngine:
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)
         return r
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """ConfigError unless ``params.structured_outputs`` compiles for this model (the grammar
+        is cached: a schema compiles once) and this engine can constrain requests."""
+        if self.spec.tree:
+            raise ConfigError("structured output does not take token trees: drop the tree budget (tree_nodes)")
+        if self.config.tensor_parallel_size > 1:
+            raise ConfigError("structured output runs with tensor_parallel_size 1 only")
+        self._constraint_table().compiler.grammar(params.structured_outputs)
+
+    def _constraint_table(self) -> ConstraintTable:
+        if self.constraints is None:
+            if self.tokenizer is None:
+                raise ConfigError("structured output needs the model's tokenizer; this model was loaded without one")
+            compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids)
+            self.constraints = ConstraintTable(compiler, window=max(self.k_max, 1) + 1)
+        return self.constraints
+
+    def _step(self, k: int):
+        """The step at ``k``; while a constrained request holds a slot, its constrained twin
+        (masks from the host each step: see jspec.structured), compiled when first needed."""
+        if not any(r is not None and r.constraint != NO_CONSTRAINT for r in self.scheduler.slots):
+            return self._steps[k]
+        if k not in self._constrained_steps:
+            self._constrained_steps[k] = dataclasses.replace(self._steps[k], constraint=self.constraints)
+        return self._constrained_steps[k]
 
     def check_length(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
         """PromptError unless a request of this many prompt tokens and ``max_tokens`` can ever
@@ -428,7 +459,7 @@ class LLMEngine:
                 return failed
             slots = self._burst_slots() if plan.prefill is None else None
             t0 = time.perf_counter()
-            step = self._steps[self._step_k(plan)]
+            step = self._step(self._step_k(plan))
             caps = self._spec_caps(plan.k)
             snap = self.runner.burst(step, self.scheduler.tables(), caps, self._segment(plan),
                                      plan.num_steps, plan.stop_on_finish, slots)
@@ -473,8 +504,10 @@ class LLMEngine:
                 r.base = dataclasses.replace(r.metrics,
                                              num_accepted_tokens_per_pos=list(r.metrics.num_accepted_tokens_per_pos),
                                              num_draft_tokens_per_pos=list(r.metrics.num_draft_tokens_per_pos))
+                if r.params.structured_outputs is not None and r.constraint == NO_CONSTRAINT:
+                    r.constraint = self._constraint_table().register(r.params.structured_outputs, len(r.prompt_ids))
                 update = slot_update(r.slot, r.all_ids, tables[r.slot], r.max_len, r.computed, r.params, r.seed,
-                                     self._cap(r), self.buffer_len)
+                                     self._cap(r), self.buffer_len, r.constraint)
             except Exception as e:
                 failed.append(self._fail(r, e))
                 continue
@@ -548,6 +581,9 @@ class LLMEngine:
                 self.scheduler.finish(r, device_running=not finished)
             elif finished:
                 r.finish_reason = "stop" if snap.eos_hit[slot] else "length"
+                why = self.constraints.dead_end(r.constraint) if r.constraint != NO_CONSTRAINT else None
+                if why is not None:
+                    r.stop_reason = f"grammar: {why}"
                 self.scheduler.finish(r, device_running=False)
             if r.status is Status.FINISHED:
                 r.metrics.finished_time = now
@@ -607,6 +643,8 @@ class LLMEngine:
         m.num_draft_tokens_per_pos = [base.num_draft_tokens_per_pos[j] + int(snap.proposed[slot, j]) for j in range(k)]
 
     def _finished(self, r: Request) -> None:
+        if r.constraint != NO_CONSTRAINT:
+            self.constraints.release(r.constraint)
         self.stats.finished(r)
         m = r.metrics
         # over the steps that could have drafted: a request run at k = 0 throughout teaches nothing

@@ -58,6 +58,7 @@ class SlotUpdate:
     top_k: jax.Array  # int32 []
     top_p: jax.Array  # float32 []
     spec_k: jax.Array  # int32 []
+    constraint: jax.Array  # int32 []: structured-output handle (-1: none)
 
 
 class Snapshot(NamedTuple):
@@ -92,7 +93,7 @@ def init_decode_state(config: ModelConfig, batch: int, max_len: int, table_width
         spec_k=jnp.zeros((batch,), jnp.int32), cache=cache, drafter=None,
         num_steps=jnp.zeros((batch,), jnp.int32), num_drafts=jnp.zeros((batch,), jnp.int32),
         accepted=jnp.zeros((batch, k), jnp.int32), proposed=jnp.zeros((batch, k), jnp.int32),
-        steps=jnp.int32(0))
+        steps=jnp.int32(0), constraint=jnp.full((batch,), -1, jnp.int32))
     if drafter is not None:
         state = state.replace(drafter=drafter.init_state(target_params, drafter_params, cache))
     return state
@@ -111,7 +112,7 @@ def set_slot(drafter, state: DecodeState, u: SlotUpdate) -> DecodeState:
         key_data=state.key_data.at[s].set(u.key_data),
         sampling=RowSampling(rs.temperature.at[s].set(u.temperature), rs.top_k.at[s].set(u.top_k),
                              rs.top_p.at[s].set(u.top_p)),
-        spec_k=state.spec_k.at[s].set(u.spec_k), cache=cache,
+        spec_k=state.spec_k.at[s].set(u.spec_k), cache=cache, constraint=state.constraint.at[s].set(u.constraint),
         num_steps=state.num_steps.at[s].set(0), num_drafts=state.num_drafts.at[s].set(0),
         accepted=state.accepted.at[s].set(0), proposed=state.proposed.at[s].set(0))
     if drafter is not None:
@@ -152,7 +153,7 @@ def snapshot(state: DecodeState) -> Snapshot:
 
 
 def slot_update(slot: int, ids: list[int], table: np.ndarray, max_len: int, start: int, params, seed: int,
-                spec_k: int, buffer_len: int) -> SlotUpdate:
+                spec_k: int, buffer_len: int, constraint: int = -1) -> SlotUpdate:
     tokens = np.zeros((buffer_len,), np.int32)
     tokens[:len(ids)] = ids
     key = _key_data(seed)
@@ -160,7 +161,8 @@ def slot_update(slot: int, ids: list[int], table: np.ndarray, max_len: int, star
         slot=np.int32(slot), tokens=tokens, table=np.asarray(table, np.int32), seq_len=np.int32(len(ids)),
         max_len=np.int32(max_len), start=np.int32(start), done=np.bool_(start < len(ids) - 1),
         ignore_eos=np.bool_(params.ignore_eos), key_data=key, temperature=np.float32(params.temperature),
-        top_k=np.int32(params.top_k), top_p=np.float32(params.top_p), spec_k=np.int32(spec_k))
+        top_k=np.int32(params.top_k), top_p=np.float32(params.top_p), spec_k=np.int32(spec_k),
+        constraint=np.int32(constraint))
 
 
 def _key_data(seed: int) -> np.ndarray:

@@ -43,11 +43,14 @@ class DecodeState:
     accepted: jax.Array  # int32 [B, K]: accepted[b, j] = steps where draft j + 1 was accepted
     proposed: jax.Array  # int32 [B, K]: proposed[b, j] = steps where draft j + 1 was proposed
     steps: jax.Array  # int32 []: loop iterations since the state was created
+    # int32 [B]: the slot's structured-output handle (jspec.structured; -1: none), or None for
+    # a state whose steps never constrain
+    constraint: Any = None
 
     # the fields with one row per slot (leading axis B); ``cache`` and ``drafter`` declare their
     # own, everything else (``steps``) is shared by all slots; see take_slots / put_slots
     SLOT_FIELDS = ("tokens", "seq_lens", "max_lens", "done", "eos_hit", "ignore_eos", "key_data", "sampling",
-                   "spec_k", "num_steps", "num_drafts", "accepted", "proposed")
+                   "spec_k", "num_steps", "num_drafts", "accepted", "proposed", "constraint")
 
     def replace(self, **kw) -> "DecodeState":
         return dataclasses.replace(self, **kw)

@@ -58,8 +58,9 @@ def sample_next(state: DecodeState, logits: jax.Array) -> jax.Array:
 
 def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeState, cache,
                      prefill: Optional[Segment] = None, num_rows: int = 1, features: tuple[int, ...] = (),
-                     path: ModelPath = PLAIN):
-    """One target forward over the last token of every running slot (and ``prefill``).
+                     path: ModelPath = PLAIN, mask: Optional[jax.Array] = None):
+    """One target forward over the last token of every running slot (and ``prefill``); ``mask``
+    (int32 [B, words], structured output) removes tokens before the next one is chosen.
 
     Returns (cache, hidden [B, num_rows, F] (row 0 real, the rest zero padding), next token
     [B], the prefill chunk's hidden states or None); hidden means the target's ``features``
@@ -70,7 +71,8 @@ def plain_token_step(params, config: ModelConfig, attention: str, state: DecodeS
     logits, hidden, cache = path.forward_segments(params, config, segments, cache, attention=attention,
                                                   logits_for=(True,) + (False,) * (len(segments) - 1),
                                                   feature_layers=features)
-    nxt = sample_next(state, logits[0][:, 0])
+    last = logits[0][:, 0]
+    nxt = sample_next(state, last if mask is None else sampling_lib.apply_token_masks(last, mask))
     h = jnp.pad(hidden[0], ((0, 0), (0, num_rows - 1), (0, 0)))
     return cache, h, nxt, (hidden[1] if prefill is not None else None)
 
@@ -96,6 +98,7 @@ class PlainStep:
     attention: str
     drafter: Any = None
     path: ModelPath = PLAIN
+    constraint: Any = None  # a jspec.structured.ConstraintTable: masks from the host each step
 
     @property
     def k(self) -> int:
@@ -103,9 +106,14 @@ class PlainStep:
 
     def __call__(self, params, drafter_params, state: DecodeState, prefill: Optional[Segment] = None) -> DecodeState:
         running = ~state.done
+        mask = None
+        if self.constraint is not None:
+            b = running.shape[0]
+            masks, _ = self.constraint.device_masks(state, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32))
+            mask = masks[:, 0]
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, state.cache,
                                                           prefill, features=feature_layers(self.drafter),
-                                                          path=self.path)
+                                                          path=self.path, mask=mask)
         new = state.replace(cache=cache, steps=state.steps + 1, num_steps=state.num_steps + running)
         new = commit(new, nxt[:, None], running.astype(jnp.int32), self.eos_ids)
         if self.drafter is not None:
@@ -116,6 +124,15 @@ class PlainStep:
         return finish_prefill(new, prefill)
 
 
+def conditioned_draft_probs(q: jax.Array, masks: jax.Array) -> jax.Array:
+    """The law of a verified draft under a structured-output constraint: drafts the grammar
+    refuses are cut before verification, so a draft that reaches it was drawn from q [..., V]
+    conditioned on the mask [..., words]; that is the q rejection sampling must divide by (with
+    q itself the output would lean toward the drafter's refused mass)."""
+    q = q * sampling_lib.token_mask_bits(masks, q.shape[-1])
+    return q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), jnp.finfo(q.dtype).tiny)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecStep:
     config: ModelConfig
@@ -123,6 +140,9 @@ class SpecStep:
     attention: str
     drafter: Any  # a hashable drafter (see jspec.speculative.drafters.base)
     path: ModelPath = PLAIN
+    # a jspec.structured.ConstraintTable: each step, after drafting, the host gives every slot
+    # the masks of its verified rows and cuts its drafts where the grammar refuses one
+    constraint: Any = None
 
     @property
     def k(self) -> int:
@@ -138,17 +158,25 @@ class SpecStep:
             prop = self.drafter.propose(drafter_params, params, state, state.sampling)
         real = jnp.full((b,), k, jnp.int32) if prop.num_drafts is None else prop.num_drafts
         num = jnp.where(running, jnp.minimum(real, state.spec_k), 0)  # [B]
+        masks = None
+        if self.constraint is not None:
+            if prop.parents is not None:
+                raise ValueError("structured output does not take token trees")
+            with jax.named_scope("constraint"):
+                masks, allowed = self.constraint.device_masks(state, prop.drafts, num)
+            num = jnp.minimum(num, allowed)
 
         # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. When no
         #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification
         #      (chosen on the device without copying the page pool: see cond_in_place).
         if prop.num_drafts is None:  # the drafter always proposes: a step without drafts is rare
-            cache, (hidden, n, cand, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache)
+            cache, (hidden, n, cand, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache,
+                                                                masks)
         else:
             cache, (hidden, n, cand, pre_hidden) = cond_in_place(
                 jnp.any(num > 0),
-                lambda c: self._verify(params, state, prop, num, prefill, c),
-                lambda c: self._plain(params, state, prefill, c),
+                lambda c: self._verify(params, state, prop, num, prefill, c, masks),
+                lambda c: self._plain(params, state, prefill, c, masks),
                 prop.target_cache)
 
         # 4. Commit d_1..d_n and the extra token (``cand``: the accepted path of a tree); commit()
@@ -171,7 +199,7 @@ class SpecStep:
                 dstate = self.drafter.prefill(drafter_params, params, dstate, new.cache, prefill, pre_hidden)
         return finish_prefill(new.replace(drafter=dstate), prefill)
 
-    def _verify(self, params, state: DecodeState, prop, num, prefill, cache):
+    def _verify(self, params, state: DecodeState, prop, num, prefill, cache, masks=None):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
         their K/V at positions seq_len - 1 .. of ``cache``; acceptance picks n and the extra token.
         A tree's rows attend through its ancestor mask, and the K/V of its accepted path move to
@@ -190,13 +218,16 @@ class SpecStep:
                                                      logits_for=(True,) + (False,) * (len(segments) - 1),
                                                      feature_layers=feature_layers(self.drafter))
             logits = logits[0]  # [B, k + 1, V]
+            if masks is not None:  # structured output: the constrained target, at every row
+                logits = sampling_lib.apply_token_masks(logits, masks)
         with jax.named_scope("accept"):
             rs = state.sampling
 
             def q_of(p):
                 if prop.draft_logits is None:  # deterministic drafter: one-hot q
                     return None if tree is not None else jax.nn.one_hot(prop.drafts, p.shape[-1], dtype=p.dtype)
-                return sampling_lib.probs(prop.draft_logits, rs)
+                q = sampling_lib.probs(prop.draft_logits, rs)
+                return q if masks is None else conditioned_draft_probs(q, masks[:, :k])
 
             if tree is None:
                 def greedy(_):
@@ -230,11 +261,12 @@ class SpecStep:
         return cache, (h, acc.num_accepted, tree_lib.path_tokens(tree, acc),
                        (hidden[1] if prefill is not None else None))
 
-    def _plain(self, params, state: DecodeState, prefill, cache):
+    def _plain(self, params, state: DecodeState, prefill, cache, masks=None):
         """No drafts anywhere: one token from the target, as plain decoding would do."""
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, cache,
                                                           prefill, num_rows=self.drafter.k + 1,
-                                                          features=feature_layers(self.drafter), path=self.path)
+                                                          features=feature_layers(self.drafter), path=self.path,
+                                                          mask=None if masks is None else masks[:, 0])
         return cache, (hidden, jnp.zeros_like(nxt), jnp.broadcast_to(nxt[:, None], (nxt.shape[0], self.drafter.k + 1)),
                        pre_hidden)
 
