@@ -223,6 +223,59 @@ def test_sampling_fields_and_stop(server, offline):
     assert r.choices[0].text == full[:full.index(stop)]
 
 
+# ---------------------------------------------------------------------- structured output
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "colour": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "colour"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_gives_a_valid_object_streamed_and_not(server):
+    import jsonschema
+
+    c = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60,
+              temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                                     "strict": True}})
+    whole = c.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "stop"
+    obj = json.loads(whole.choices[0].message.content)
+    jsonschema.validate(obj, PERSON)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)
+                       if ch.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_vllm_structured_output_fields(server):
+    c = server.client()
+    choice = c.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    regex = c.completions.create(model=MODEL, prompt="The year the moon landing happened:", max_tokens=8,
+                                 temperature=0.7, seed=3, extra_body={"guided_regex": "[12][0-9]{3}"})
+    assert re.fullmatch("[12][0-9]{3}", regex.choices[0].text), regex.choices[0].text
+    obj = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Any JSON object"}],
+                                    max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a prefix of an object
+        assert obj.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(extra_body={"structured_outputs": {"regex": "[ab"}}), "response_format"),
+    (dict(extra_body={"guided_json": {"type": "nope"}}), "response_format"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"jsn": {}}}), "structured_outputs"),
+    (dict(extra_body={"response_format": {"type": "xml"}}), "response_format"),
+])
+def test_bad_structured_output_is_400(server, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=4, **kw)
+    err = _error(e.value)
+    assert err["param"] == param and "\n" not in err["message"], err
+
+
 # ---------------------------------------------------------------------- bad input
 def _error(e: "openai.APIStatusError") -> dict:
     return e.response.json()["error"]

@@ -38,6 +38,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -171,6 +172,7 @@ class LLMEngine:
         self._order = itertools.count()
         self._last_steps = 0
         self.constraints: Optional[ConstraintTable] = None  # built with the first constrained request
+        self._constraints_lock = threading.Lock()
         self._constrained_steps: dict[int, object] = {}
         self.stats = EngineStats(self.k_max, bursts_by_slots={n: 0 for n in self.buckets})
 
@@ -351,6 +353,10 @@ class LLMEngine:
         self._constraint_table().compiler.grammar(params.structured_outputs)
 
     def _constraint_table(self) -> ConstraintTable:
+        with self._constraints_lock:  # the server checks requests on other threads
+            return self._make_constraint_table()
+
+    def _make_constraint_table(self) -> ConstraintTable:
         if self.constraints is None:
             if self.tokenizer is None:
                 raise ConfigError("structured output needs the model's tokenizer; this model was loaded without one")

@@ -238,6 +238,11 @@ async def _prompt_ids(state: ServerState, rid: str,
         except JspecError as e:
             raise _too_long(state, str(e)) from None
         out.append(ids)
+    if params.structured_outputs is not None:  # compiled (and cached) here, not on the engine's thread
+        try:
+            await loop.run_in_executor(state.tokenize_pool, engine.check_constraint, params)
+        except JspecError as e:
+            raise api.APIError(str(e), param="response_format") from None
     return out
 
 

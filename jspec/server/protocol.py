@@ -7,6 +7,12 @@ Fields of the OpenAI API that jspec does not implement are accepted only at thei
 them otherwise. jspec extensions, sent with the ``openai`` client's ``extra_body``:
 ``top_k``, ``ignore_eos`` and ``num_speculative_tokens`` (this request's cap on drafts).
 
+Structured output, on both endpoints: OpenAI's ``response_format`` (``json_object``, or
+``json_schema`` with its ``schema``), vLLM's ``structured_outputs`` object (``json``, ``regex``,
+``choice``, ``grammar``) and vLLM's earlier ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``; one of them per request. A schema, regex or grammar
+that does not compile is a 400 before the request is queued.
+
 Defaults follow OpenAI, not jspec's library: ``temperature`` 1.0, completions ``max_tokens`` 16,
 chat ``max_tokens`` up to the context (``max_model_len`` minus the prompt).
 """
@@ -19,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from jspec.config import SamplingParams
+from jspec.config import SamplingParams, StructuredOutputsParams
 from jspec.errors import ConfigError, JspecError
 
 MAX_PROMPTS = 64  # prompts in one batched completions request
@@ -96,6 +102,47 @@ class _Sampling(_Strict):
     top_k: Optional[int] = None
     ignore_eos: Optional[bool] = None
     num_speculative_tokens: Optional[int] = None
+    # structured output (see the module docstring)
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[dict, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def _constraint(self) -> Optional[StructuredOutputsParams]:
+        """The request's structured-output constraint, from whichever field names it."""
+        given = {}
+        rf = self.response_format
+        if rf is not None and rf != {"type": "text"}:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise APIError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}",
+                                   param="response_format")
+                given["response_format"] = {"json": js["schema"]}
+            else:
+                raise APIError(f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+                               param="response_format")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given[name] = {key: getattr(self, name)}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"{', '.join(given)}: give one structured-output constraint, not several",
+                           param=next(iter(given)))
+        (param, fields), = given.items()
+        try:
+            return StructuredOutputsParams.from_dict(fields)
+        except ConfigError as e:
+            raise APIError(str(e), param=param) from None
 
     def _refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
@@ -121,7 +168,8 @@ class _Sampling(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, max_tokens=max_tokens or 1, ignore_eos=bool(self.ignore_eos),
-            stop=() if self.stop is None else self.stop, num_speculative_tokens=self.num_speculative_tokens)
+            stop=() if self.stop is None else self.stop, num_speculative_tokens=self.num_speculative_tokens,
+            structured_outputs=self._constraint())
         try:
             return SamplingParams(**kw), max_tokens is None
         except ConfigError as e:
@@ -198,7 +246,6 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict] = None
 
     def check(self) -> None:
         if not self.messages:
@@ -207,8 +254,6 @@ class ChatCompletionRequest(_Sampling):
             raise APIError("logprobs: not supported by jspec", param="logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError("tools: tool calling is not supported by jspec", param="tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError("response_format: only {\"type\": \"text\"} is supported", param="response_format")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise APIError("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
