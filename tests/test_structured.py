@@ -184,3 +184,14 @@ def test_bad_constraints_are_one_line_config_errors_before_anything_runs(target,
 def test_a_constraint_longer_than_max_tokens_finishes_by_length(target):
     out = jspec.generate(target, PROMPTS[:1], jspec.SamplingParams(max_tokens=5, structured_outputs=SO(regex="a{9}c")))
     assert out.finish_reasons == ["length"] and text_of(out.token_ids[0]) == "aaaaa"
+
+
+def test_forced_tokens_are_drafted_where_the_drafter_has_none(target):
+    """Jump-forward: where the grammar allows one continuation, its tokens fill the draft
+    positions n-gram lookup leaves empty, and the target accepts them in one verification each."""
+    sp = jspec.SamplingParams(max_tokens=12, structured_outputs=SO(regex="xyabcxy"))
+    plain = jspec.generate(target, [[5, 7, 8, 6]], sp)
+    out = jspec.generate(target, [[5, 7, 8, 6]], sp, drafter=NgramDrafter(4, 3, 3), drafter_params=None)
+    assert text_of(plain.token_ids[0]) == "xyabcxy" and out.token_ids == plain.token_ids
+    assert out.mean_accepted_length >= 3, out
+    assert out.num_target_forwards <= 4, out

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import json
+from pathlib import Path
+from typing import Optional, Sequence
 
 from jspec.config import (CHECKPOINT_METHODS, DEFAULT_TREE_WIDTH, HEAD_METHODS, CacheConfig, ModelConfig,
                           SamplingParams, SpecConfig, kv_cache_array_dtype)
@@ -97,7 +99,7 @@ def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, Spec
             raise PromptError("prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                              ignore_eos=args.ignore_eos)
+                              ignore_eos=args.ignore_eos, structured_outputs=structured_option(args))
     k = args.num_speculative_tokens
     if k is not None and args.spec.partition(":")[0] == "none":
         raise ConfigError("-k/--num-speculative-tokens needs --spec (speculation is off without it)")
@@ -107,6 +109,34 @@ def generate_options(args, prompts: Sequence[str]) -> tuple[SamplingParams, Spec
     if spec.method in CHECKPOINT_METHODS:
         _check_draft_exists(spec)
     return sampling, spec, cache_config
+
+
+def structured_option(args) -> Optional[dict]:
+    """The structured-output constraint of --json-schema / --json-object / --regex / --choice /
+    --grammar (argparse lets one of them through), its files read; None without one."""
+    schema, grammar = getattr(args, "json_schema", None), getattr(args, "grammar", None)
+    if schema is not None:
+        text = schema if schema.lstrip().startswith("{") else _read_text(schema, "--json-schema")
+        try:
+            return {"json": json.loads(text)}
+        except ValueError as e:
+            raise ConfigError(f"--json-schema: not valid JSON ({e})") from None
+    if grammar is not None:
+        return {"grammar": _read_text(grammar, "--grammar")}
+    if getattr(args, "json_object", False):
+        return {"json_object": True}
+    if getattr(args, "regex", None) is not None:
+        return {"regex": args.regex}
+    if getattr(args, "choice", None):
+        return {"choice": list(args.choice)}
+    return None
+
+
+def _read_text(path: str, option: str) -> str:
+    try:
+        return Path(text_argument(path, option)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{option}: cannot read {path} ({e.__class__.__name__})") from None
 
 
 def run_tokens(prompt_bytes: int, max_tokens: int, k: int, page_size: int, context: int, chat: bool) -> int:

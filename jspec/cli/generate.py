@@ -21,7 +21,7 @@ from jspec.cli.numerics_args import add_numerics_arguments
 from jspec.cli.parallel_args import add_parallel_arguments, check_tp_fits, check_tp_option
 
 PER_REQUEST_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
-                      "num_speculative_tokens")
+                      "num_speculative_tokens", "structured_outputs")
 
 
 def add_generate_parser(sub, default_model: str, attention_choices) -> None:
@@ -37,6 +37,13 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="the output is JSON that follows this JSON schema (a file, "
+                    "or the schema itself when it starts with '{')")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    so.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark or GBNF; a file)")
     g.add_argument("--json", action="store_true", help="print one JSON object per request instead of text")
     g.add_argument("--spec", default="none",
                    help="none | ngram | layerskip:L | draft:PATH_OR_NAME | eagle:PATH | hybrid:PATH "

@@ -109,7 +109,8 @@ class PlainStep:
         mask = None
         if self.constraint is not None:
             b = running.shape[0]
-            masks, _ = self.constraint.device_masks(state, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32))
+            none = jnp.zeros((b,), jnp.int32)
+            masks = self.constraint.device_masks(state, jnp.zeros((b, 0), jnp.int32), none, none, False)[0]
             mask = masks[:, 0]
         cache, hidden, nxt, pre_hidden = plain_token_step(params, self.config, self.attention, state, state.cache,
                                                           prefill, features=feature_layers(self.drafter),
@@ -158,24 +159,26 @@ class SpecStep:
             prop = self.drafter.propose(drafter_params, params, state, state.sampling)
         real = jnp.full((b,), k, jnp.int32) if prop.num_drafts is None else prop.num_drafts
         num = jnp.where(running, jnp.minimum(real, state.spec_k), 0)  # [B]
-        masks = None
+        masks = forced = None
         if self.constraint is not None:
             if prop.parents is not None:
                 raise ValueError("structured output does not take token trees")
             with jax.named_scope("constraint"):
-                masks, allowed = self.constraint.device_masks(state, prop.drafts, num)
-            num = jnp.minimum(num, allowed)
+                limit = jnp.where(running, jnp.minimum(state.spec_k, k), 0)
+                masks, drafts, forced, num = self.constraint.device_masks(
+                    state, prop.drafts, num, limit, getattr(self.drafter, "stateless_drafts", False))
+            prop = prop._replace(drafts=drafts, num_drafts=num)
 
         # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. When no
         #      slot has a draft, a plain one-token forward replaces the (k + 1)-token verification
         #      (chosen on the device without copying the page pool: see cond_in_place).
         if prop.num_drafts is None:  # the drafter always proposes: a step without drafts is rare
             cache, (hidden, n, cand, pre_hidden) = self._verify(params, state, prop, num, prefill, prop.target_cache,
-                                                                masks)
+                                                                masks, forced)
         else:
             cache, (hidden, n, cand, pre_hidden) = cond_in_place(
                 jnp.any(num > 0),
-                lambda c: self._verify(params, state, prop, num, prefill, c, masks),
+                lambda c: self._verify(params, state, prop, num, prefill, c, masks, forced),
                 lambda c: self._plain(params, state, prefill, c, masks),
                 prop.target_cache)
 
@@ -199,7 +202,7 @@ class SpecStep:
                 dstate = self.drafter.prefill(drafter_params, params, dstate, new.cache, prefill, pre_hidden)
         return finish_prefill(new.replace(drafter=dstate), prefill)
 
-    def _verify(self, params, state: DecodeState, prop, num, prefill, cache, masks=None):
+    def _verify(self, params, state: DecodeState, prop, num, prefill, cache, masks=None, forced=None):
         """The target scores [last token, d_1..d_k] in one forward (q_len = drafts + 1), writing
         their K/V at positions seq_len - 1 .. of ``cache``; acceptance picks n and the extra token.
         A tree's rows attend through its ancestor mask, and the K/V of its accepted path move to
@@ -227,7 +230,11 @@ class SpecStep:
                 if prop.draft_logits is None:  # deterministic drafter: one-hot q
                     return None if tree is not None else jax.nn.one_hot(prop.drafts, p.shape[-1], dtype=p.dtype)
                 q = sampling_lib.probs(prop.draft_logits, rs)
-                return q if masks is None else conditioned_draft_probs(q, masks[:, :k])
+                if masks is None:
+                    return q
+                # a forced (jump-forward) draft is the grammar's, deterministic: one-hot q
+                return jnp.where(forced[..., None], jax.nn.one_hot(prop.drafts, q.shape[-1], dtype=q.dtype),
+                                 conditioned_draft_probs(q, masks[:, :k]))
 
             if tree is None:
                 def greedy(_):

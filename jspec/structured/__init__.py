@@ -20,7 +20,9 @@ to the committed tokens (the previous step's commits: the callback needs no othe
 from the engine, and calling it twice with the same arguments gives the same answer), then
 walks the drafts: the mask at the root, consume d_1, the mask after it, ... and stops at the
 first draft the grammar refuses (the drafts are cut there: no verification row is spent on a
-token that cannot be accepted), then rolls the drafts back. The step sets every refused
+token that cannot be accepted). Where the drafter's drafts end (or, for a drafter without
+state of its own, where they were cut), the tokens the grammar forces fill the remaining draft
+positions (jump-forward: a JSON schema's keys and punctuation). Then it rolls the drafts back. The step sets every refused
 token's target logit to -inf before acceptance, at every verified row, so the accepted tokens
 and the extra token follow the constrained target exactly as constrained decoding without
 speculation would (greedy and sampled; a sampled drafter's q is conditioned on the mask too).
@@ -169,31 +171,40 @@ class ConstraintTable:
 
     # ------------------------------------------------------------------ device side
 
-    def device_masks(self, state, drafts: jax.Array, num: jax.Array):
-        """(masks int32 [B, k + 1, words], allowed drafts int32 [B]) for the slots of ``state``
-        (a :class:`~jspec.speculative.state.DecodeState`) and their drafts [B, k], ``num``
-        [B] real. Unconstrained slots get every bit set and keep all their drafts."""
+    def device_masks(self, state, drafts: jax.Array, num: jax.Array, limit: jax.Array, replace: bool):
+        """For the slots of ``state`` (a :class:`~jspec.speculative.state.DecodeState`) and their
+        drafts [B, k] (``num`` [B] real ones): (masks int32 [B, k + 1, words], drafts [B, k],
+        forced bool [B, k], count int32 [B]). ``count``: the drafts to verify, the drafter's while
+        the grammar allows them, then the grammar's forced tokens (jump-forward: ``forced`` marks
+        them) up to ``limit`` [B] drafts, from where the drafter's end, or (``replace``: a drafter
+        whose state does not follow its drafts) from the first one the grammar refuses.
+        Unconstrained slots keep their drafts and get every bit set."""
         b, k = drafts.shape
         length = state.tokens.shape[1]
         idx = state.seq_lens[:, None] - self.window + jnp.arange(self.window, dtype=jnp.int32)[None, :]
         window = jnp.take_along_axis(state.tokens, jnp.clip(idx, 0, length - 1), axis=1)
-        shapes = (jax.ShapeDtypeStruct((b, k + 1, self.words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
-        return jax.pure_callback(self._host_masks, shapes, state.constraint, state.seq_lens, window,
-                                 drafts.astype(jnp.int32), num.astype(jnp.int32), vmap_method="sequential")
+        shapes = (jax.ShapeDtypeStruct((b, k + 1, self.words), jnp.int32), jax.ShapeDtypeStruct((b, k), jnp.int32),
+                  jax.ShapeDtypeStruct((b, k), jnp.bool_), jax.ShapeDtypeStruct((b,), jnp.int32))
+        host = functools.partial(self._host_masks, replace=replace)
+        return jax.pure_callback(host, shapes, state.constraint, state.seq_lens, window, drafts.astype(jnp.int32),
+                                 num.astype(jnp.int32), limit.astype(jnp.int32), vmap_method="sequential")
 
-    def _host_masks(self, handles, seq_lens, window, drafts, num):
-        handles, seq_lens, window, drafts, num = map(np.asarray, (handles, seq_lens, window, drafts, num))
+    def _host_masks(self, handles, seq_lens, window, drafts, num, limit, replace: bool):
+        handles, seq_lens, window, num, limit = map(np.asarray, (handles, seq_lens, window, num, limit))
+        drafts = np.array(drafts, np.int32)  # a copy: forced tokens are written into it
         b, k = drafts.shape
         masks = np.full((b, k + 1, self.words), -1, np.int32)
-        allowed = np.full((b,), k, np.int32)
+        forced = np.zeros((b, k), bool)
+        count = np.minimum(num, limit).astype(np.int32)
         for row in np.flatnonzero(handles != NO_CONSTRAINT):
             entry = self._entries.get(int(handles[row]))
             if entry is None:  # released: the slot no longer runs
                 continue
             with entry.lock:
                 self._catch_up(entry, int(seq_lens[row]), window[row])
-                allowed[row] = self._fill(entry, masks[row], drafts[row], int(num[row]))
-        return masks, allowed
+                count[row] = self._fill(entry, masks[row], drafts[row], forced[row], int(count[row]),
+                                        int(limit[row]), replace)
+        return masks, drafts, forced, count
 
     def _catch_up(self, e: _Entry, seq_len: int, window: np.ndarray) -> None:
         """Feed the matcher the tokens committed since it last saw the slot."""
@@ -212,39 +223,55 @@ class ConstraintTable:
         if not ok and e.dead is None:
             e.dead = m.get_error() or "the committed tokens left the grammar"
 
-    def _fill(self, e: _Entry, out: np.ndarray, drafts: np.ndarray, num: int) -> int:
-        """Masks of the root and of each allowed draft into ``out`` [k + 1, words]; the number
-        of drafts the grammar allows (a prefix of the first ``num``)."""
+    def _fill(self, e: _Entry, out: np.ndarray, drafts: np.ndarray, forced: np.ndarray, num: int, limit: int,
+              replace: bool) -> int:
+        """Masks of the root and of each draft kept into ``out`` [k + 1, words]; jump-forward
+        tokens written into ``drafts`` / ``forced``. Returns the number of drafts kept."""
         m = e.matcher
         if e.dead is None and m.is_error():
             e.dead = m.get_error() or "the grammar failed"
         if e.dead is not None:
             self._only_eos(out)
             return 0
-        taken = consumed = 0
-        for j in range(num + 1):
+        eos = self.compiler.eos_ids
+        j = consumed = 0
+        ended = False  # an EOS was kept: nothing after it is verified
+
+        def mask_at(j: int) -> bool:
             row = out[j]
             m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            if m.is_error() or not row.any():
-                if j == 0:
-                    e.dead = m.get_error() or "the grammar allows no next token"
-                    self._only_eos(out)
-                break
-            if j == num:
-                break
+            return not m.is_error() and bool(row.any())
+
+        if not mask_at(0):
+            e.dead = m.get_error() or "the grammar allows no next token"
+            self._only_eos(out)
+            return 0
+        while j < num:  # the drafter's drafts, while the grammar takes them
             tok = int(drafts[j])
-            if not (row[tok >> 5] >> (tok & 31)) & 1:
+            if not (out[j, tok >> 5] >> (tok & 31)) & 1:
                 break
-            taken += 1
-            if tok in self.compiler.eos_ids:  # the request ends there: nothing after it is verified
+            j += 1
+            if tok in eos:
+                ended = True
                 break
             if not m.consume_token(tok):  # pragma: no cover - the mask allowed it
-                taken -= 1
+                j -= 1
                 break
             consumed += 1
+            if not mask_at(j):
+                break
+        if not ended and j < limit and (j == num or replace) and not m.is_stopped():
+            for tok in m.compute_ff_tokens()[:limit - j]:  # jump-forward: the tokens the grammar forces
+                if not m.consume_token(tok):
+                    break
+                drafts[j], forced[j] = tok, True
+                j += 1
+                consumed += 1
+                if not mask_at(j):
+                    break
         if consumed:
             m.rollback(consumed)
-        return taken
+        return j
 
     def _only_eos(self, out: np.ndarray) -> None:
         out[:] = 0
