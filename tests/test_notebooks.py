@@ -61,7 +61,7 @@ def _text(nb) -> str:
 def test_notebooks_are_stored_without_outputs():
     names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb",
-                     "04_engine.ipynb", "05_train_a_draft.ipynb", "06_token_trees.ipynb"]
+                     "04_engine.ipynb", "05_train_a_draft.ipynb", "06_token_trees.ipynb", "08_structured_output.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -144,3 +144,16 @@ def test_token_trees(run_notebook):
         assert 1.0 <= float(tokens) <= float(drafted) + 1  # no more than the drafts plus the extra token
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 2
+
+
+def test_structured_output(run_notebook):
+    nb, text = run_notebook("08_structured_output.ipynb")
+    assert "valid JSON under the schema: yes" in text
+    assert "speculative output identical to constrained decoding: yes" in text
+    forced, total = map(int, re.search(r"forced positions: (\d+) of (\d+)", text).groups())
+    assert 0 < forced < total
+    assert re.search(r"^regex  -> '\d{3}-\d{4}' \(eos\)$", text, re.M), text
+    assert re.search(r"^choice -> '(yes|no|maybe)' \(eos\)$", text, re.M), text
+    assert "refused: structured output regex is invalid" in text
+    images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
+    assert len(images) == 1
