@@ -16,10 +16,13 @@ from jspec.config import StructuredOutputsParams as SO
 from jspec.loading import LoadedModel
 from jspec.speculative import steps as steps_lib
 from jspec.speculative.drafters import DraftModelDrafter, NgramDrafter
+from jspec.speculative.drafters.eagle import EagleDrafter
+from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.engine.generate import release_engine
 from jspec.structured import GrammarCompiler
 
-from helpers import chi_square_check, exact_two_token_distribution, sampled_pair_counts, tiny_config, tiny_model
+from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
+                     tiny_model)
 
 VOCAB = ["<s>", "</s>", "a", "b", "c", "{", "}", "0", "1", "2", "x", "y"]
 EOS = 1
@@ -76,7 +79,9 @@ def test_greedy_constrained_speculation_equals_constrained_decoding(target, draf
     assert "eos" in plain.finish_reasons
     free = jspec.generate(target, PROMPTS, dataclasses.replace(sp, structured_outputs=None))
     assert free.token_ids != plain.token_ids  # the constraint changed what the model writes
-    for d, dp in [(NgramDrafter(4, 2, 1), None), (DraftModelDrafter(3, draft.config), draft.params)]:
+    head = EagleDrafter(3, target.config)
+    for d, dp in [(NgramDrafter(4, 2, 1), None), (DraftModelDrafter(3, draft.config), draft.params),
+                  (head, eagle_params(target)), (HybridDrafter(3, head, 3, 2), eagle_params(target))]:
         out = jspec.generate(target, PROMPTS, sp, drafter=d, drafter_params=dp)
         assert out.token_ids == plain.token_ids, type(d).__name__
         assert out.finish_reasons == plain.finish_reasons

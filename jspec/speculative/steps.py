@@ -166,7 +166,7 @@ class SpecStep:
             with jax.named_scope("constraint"):
                 limit = jnp.where(running, jnp.minimum(state.spec_k, k), 0)
                 masks, drafts, forced, num = self.constraint.device_masks(
-                    state, prop.drafts, num, limit, getattr(self.drafter, "stateless_drafts", False))
+                    state, prop.drafts, num, limit, getattr(self.drafter, "follows_committed_tokens", False))
             prop = prop._replace(drafts=drafts, num_drafts=num)
 
         # 2-3. Verify and accept: n drafts survive, one recovered/bonus token follows them. When no

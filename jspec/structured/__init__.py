@@ -20,9 +20,10 @@ to the committed tokens (the previous step's commits: the callback needs no othe
 from the engine, and calling it twice with the same arguments gives the same answer), then
 walks the drafts: the mask at the root, consume d_1, the mask after it, ... and stops at the
 first draft the grammar refuses (the drafts are cut there: no verification row is spent on a
-token that cannot be accepted). Where the drafter's drafts end (or, for a drafter without
-state of its own, where they were cut), the tokens the grammar forces fill the remaining draft
-positions (jump-forward: a JSON schema's keys and punctuation). Then it rolls the drafts back. The step sets every refused
+token that cannot be accepted). Where the drafter's drafts end (or where they were cut, for a
+drafter whose state follows the committed tokens rather than its own drafts: n-gram lookup,
+the EAGLE heads, the hybrid), the tokens the grammar forces fill the remaining draft positions
+(jump-forward: a JSON schema's keys and punctuation). Then it rolls the drafts back. The step sets every refused
 token's target logit to -inf before acceptance, at every verified row, so the accepted tokens
 and the extra token follow the constrained target exactly as constrained decoding without
 speculation would (greedy and sampled; a sampled drafter's q is conditioned on the mask too).
@@ -177,7 +178,7 @@ class ConstraintTable:
         forced bool [B, k], count int32 [B]). ``count``: the drafts to verify, the drafter's while
         the grammar allows them, then the grammar's forced tokens (jump-forward: ``forced`` marks
         them) up to ``limit`` [B] drafts, from where the drafter's end, or (``replace``: a drafter
-        whose state does not follow its drafts) from the first one the grammar refuses.
+        whose state follows the committed tokens, not its own drafts) from the first one the grammar refuses.
         Unconstrained slots keep their drafts and get every bit set."""
         b, k = drafts.shape
         length = state.tokens.shape[1]

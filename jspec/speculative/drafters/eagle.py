@@ -68,6 +68,9 @@ class EagleDrafter:
     path: ModelPath = PLAIN
     tree_depth: int = 0  # with tree_width > 0: a token tree of k nodes, tree_depth deep at most
     tree_width: int = 0  # 0: a chain of k drafts
+    # observe() rebuilds the head's entries from the committed tokens and the target's true
+    # features, not from its own drafts: a step may replace drafts (structured output's forced tokens)
+    follows_committed_tokens = True
 
     @property
     def feature_dim(self) -> int:

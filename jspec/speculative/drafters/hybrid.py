@@ -62,6 +62,7 @@ class HybridDrafter:
     n_min: int = 2  # ... down to this length
     history: int = 0  # the lookup's history (ngram.py); its "history" rides in the head's params dict
     head_k: Optional[int] = None  # the head drafts at most this many tokens (None: k); the lookup up to k
+    follows_committed_tokens = True  # the lookup's drafts and the head's (EagleDrafter) both do
 
     def __post_init__(self):  # the head drafts min(head_k, k), also after dataclasses.replace(hybrid, k=...)
         k = self.k if self.head_k is None or self.head.tree_width else min(self.head_k, self.k)

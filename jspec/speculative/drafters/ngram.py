@@ -101,9 +101,9 @@ class NgramDrafter(StatelessDrafter):
     n_max: int = 4
     n_min: int = 1
     history: int = 0  # tokens of finished requests' text searched too (0: none; params {"history": int32 [H]})
-    # its drafts depend on the committed tokens only (no state of its own follows them), so a
+    # no state of its own follows its drafts (drafts depend on the committed tokens only), so a
     # step may replace drafts it cannot use (structured output's forced tokens)
-    stateless_drafts = True
+    follows_committed_tokens = True
 
     def init_params(self):
         """The drafter's parameters: None, or an empty history."""
