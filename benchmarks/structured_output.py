@@ -2,13 +2,13 @@
 what constrained requests cost the unconstrained ones beside them.
 
     python benchmarks/structured_output.py [--limit 20] [--max-tokens 200] [--methods ar,ngram:4,hybrid:4]
-                                           [--out benchmarks/results/structured-DATE.json]
+                                           [--passes 2] [--out benchmarks/results/structured-DATE.json]
 
 1. **JSON schema** (``benchmarks/json_schema_prompts.jsonl``: 20 requests written for this
-   benchmark, objects with nested fields, enums and arrays): each method runs every request
-   alone (batch 1, greedy, chat template) after a warm-up pass over them all (then the prefix
-   cache is emptied); reported: tokens/s of the second pass (compilation excluded, prefill
-   included), the ratio to constrained AR, mean tokens per target forward, how
+   benchmark, objects with nested fields, enums and arrays): every request alone (batch 1,
+   greedy, chat template), under each method in turn, ``--passes`` times, after a warm-up pass
+   of every method (the prefix cache emptied before each pass); reported: tokens/s over the
+   timed passes (compilation excluded, prefill included), the ratio to constrained AR, mean tokens per target forward, how
    many outputs parse and validate against their schema (``jsonschema``), and whether the
    tokens equal constrained AR's.
 2. **Beside constrained requests**: 8 requests at once (the code prompts, 64 greedy tokens each,
@@ -56,38 +56,47 @@ def run_alone(engine, rid: str, prompt: str, sp) -> tuple[list[int], str, object
     return final.outputs[0].token_ids, final.outputs[0].finish_reason, final.metrics, time.perf_counter() - t0
 
 
-def json_schema_section(model, methods: list[str], rows: list[dict], max_tokens: int) -> list[dict]:
+def json_schema_section(model, methods: list[str], rows: list[dict], max_tokens: int, passes: int) -> list[dict]:
+    """Every method's engine is built and warmed first; then each request runs under each method
+    in turn (``passes`` times), so the machine's drift reaches every method alike."""
     import jsonschema
 
     from jspec import EngineConfig, LLMEngine, SamplingParams
 
-    out, reference = [], None
+    sps = [SamplingParams(max_tokens=max_tokens, structured_outputs={"json": r["schema"]}) for r in rows]
+    engines = {}
     for method in methods:
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=512, max_burst_steps=16),
-                           spec_of(method))
-        sps = [SamplingParams(max_tokens=max_tokens, structured_outputs={"json": r["schema"]}) for r in rows]
+        engines[method] = engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=512,
+                                                                 max_burst_steps=16), spec_of(method))
         for i, (r, sp) in enumerate(zip(rows, sps)):  # warm-up: every prompt length's prefill compiled
             run_alone(engine, f"warm-up-{i}", r["prompt"], sp)
-        engine.reset_prefix_cache()
-        tokens = forwards = 0
-        seconds = 0.0
-        valid, ids = 0, []
+    stats = {m: {"tokens": 0, "forwards": 0, "seconds": 0.0, "valid": 0, "ids": []} for m in methods}
+    for p in range(passes):
+        for method in methods:
+            engines[method].reset_prefix_cache()
         for i, (r, sp) in enumerate(zip(rows, sps)):
-            toks, reason, m, dt = run_alone(engine, str(i), r["prompt"], sp)
-            ids.append(toks)
-            tokens += len(toks)
-            forwards += m.num_steps
-            seconds += dt
-            try:
-                jsonschema.validate(json.loads(model.tokenizer.decode(toks, skip_special_tokens=True)), r["schema"])
-                valid += reason == "stop"
-            except (ValueError, jsonschema.ValidationError):
-                pass
-        if reference is None:
-            reference = ids
-        row = {"method": method, "tokens": tokens, "seconds": round(seconds, 2), "tok_s": round(tokens / seconds, 1),
-               "tokens_per_forward": round(tokens / max(forwards, 1), 2), "valid": f"{valid}/{len(rows)}",
-               "same_as_ar": f"{sum(a == b for a, b in zip(ids, reference))}/{len(rows)}"}
+            for method in methods:
+                toks, reason, m, dt = run_alone(engines[method], f"{p}-{i}", r["prompt"], sp)
+                st = stats[method]
+                st["tokens"] += len(toks)
+                st["forwards"] += m.num_steps
+                st["seconds"] += dt
+                if p == 0:
+                    st["ids"].append(toks)
+                    try:
+                        text = model.tokenizer.decode(toks, skip_special_tokens=True)
+                        jsonschema.validate(json.loads(text), r["schema"])
+                        st["valid"] += reason == "stop"
+                    except (ValueError, jsonschema.ValidationError):
+                        pass
+    out, reference = [], stats[methods[0]]["ids"]
+    for method in methods:
+        st = stats[method]
+        row = {"method": method, "tokens": st["tokens"], "seconds": round(st["seconds"], 2),
+               "tok_s": round(st["tokens"] / st["seconds"], 1),
+               "tokens_per_forward": round(st["tokens"] / max(st["forwards"], 1), 2),
+               "valid": f"{st['valid']}/{len(rows)}",
+               "same_as_ar": f"{sum(a == b for a, b in zip(st['ids'], reference))}/{len(rows)}"}
         print(row, flush=True)
         out.append(row)
     base = out[0]["tok_s"]
@@ -132,6 +141,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--methods", default="ar,ngram:4,hybrid:4")
+    ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jspec
@@ -141,7 +151,7 @@ def main() -> None:
     result = {"machine": machine(), "commit": git_rev(),
               "command": "python benchmarks/structured_output.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
-              "json_schema": json_schema_section(model, args.methods.split(","), rows, args.max_tokens),
+              "json_schema": json_schema_section(model, args.methods.split(","), rows, args.max_tokens, args.passes),
               "beside": beside_section(model, rows)}
     print(json.dumps(result, indent=1))
     if args.out:
