@@ -157,6 +157,15 @@ def make_cache(key, heads: Heads, batch: int, t: int, ctx: int, dtype, copies: i
     return [(q, k, v, table, *lens) for k, v in zip(ks, vs)]
 
 
+def report_parity(rep, section: str, what: str, out: np.ndarray, ref: np.ndarray, tol: float) -> None:
+    """One parity row: the kernel's output against the reference's, within ``tol``."""
+    finite = bool(np.isfinite(out).all())
+    err = float(np.max(np.abs(out - ref))) if finite else float("nan")
+    ok = finite and bool(np.allclose(out, ref, atol=tol, rtol=tol))
+    rep.line(f"| {what} | {err:.2e} | {tol:g} | {'yes' if ok else '**NO**'} |")
+    rep.record(section, case=what, max_abs_err=err, ok=ok)
+
+
 def poisoned_case(rng, heads: Heads, kv_lens, q_lens, t: int, dtype, width: float = 2.0):
     """(kernel args, reference args): NaN in unowned pages and past kv_len; garbage table ids
     (-1, 2^30, unowned and other sequences' pages) past the live pages; clean copies for the
@@ -317,11 +326,7 @@ def section_parity(cx: Ctx) -> None:
                 tiles = {} if splits is None else dict(num_splits=splits)
                 out = np.asarray(kernel_fn(cx.interpret, **tiles)(*kargs), np.float32)
                 ref = np.asarray(jax.jit(paged_verify_attention_reference)(*rargs), np.float32)
-                finite = bool(np.isfinite(out).all())
-                err = float(np.max(np.abs(out - ref))) if finite else float("nan")
-                ok = finite and bool(np.allclose(out, ref, atol=tol, rtol=tol))
-                rep.line(f"| {what} | {err:.2e} | {tol:g} | {'yes' if ok else '**NO**'} |")
-                rep.record("parity", case=what, max_abs_err=err, ok=ok)
+                report_parity(rep, "parity", what, out, ref, tol)
             except Exception as e:  # noqa: BLE001 -- report, keep going
                 rep.error(what, e)
 
@@ -511,11 +516,7 @@ def section_trees(cx: Ctx) -> None:
                 out = np.asarray(kernel_fn(cx.interpret, tree_mask=mask)(*kargs), np.float32)
                 ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, tree_mask=mask))(*rargs),
                                  np.float32)
-                finite = bool(np.isfinite(out).all())
-                err = float(np.max(np.abs(out - ref))) if finite else float("nan")
-                ok = finite and bool(np.allclose(out, ref, atol=tol, rtol=tol))
-                rep.line(f"| {what} | {err:.2e} | {tol:g} | {'yes' if ok else '**NO**'} |")
-                rep.record("tree_parity", case=what, max_abs_err=err, ok=ok)
+                report_parity(rep, "tree_parity", what, out, ref, tol)
             except Exception as e:  # noqa: BLE001 -- report, keep going
                 rep.error(what, e)
     rep.line("")
