@@ -159,6 +159,15 @@ def test_models_health_and_metrics_names(server):
                  "jspec:generation_tokens_total", "jspec:time_to_first_token_seconds_count",
                  "jspec:request_queue_time_seconds_count", "jspec:kv_cache_free_pages", "jspec:kv_cache_total_pages"):
         assert name in m, name
+    # the warm-up request has finished: the ratios follow the counters
+    drafts = m["vllm:spec_decode_num_drafts_total"]
+    if drafts:
+        assert m["jspec:spec_decode_accepted_per_verification"] == pytest.approx(
+            1 + m["vllm:spec_decode_num_accepted_tokens_total"] / drafts)
+        assert m["jspec:spec_decode_draft_tokens_per_verification"] == pytest.approx(
+            m["vllm:spec_decode_num_draft_tokens_total"] / drafts)
+    else:
+        assert m["jspec:spec_decode_accepted_per_verification"] == 0.0
 
 
 def test_completions_greedy_equal_offline(server, offline):

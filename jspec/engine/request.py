@@ -18,8 +18,23 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class PerVerification:
+    """Per-verification ratios of a record with ``num_drafts`` (verifications with a proposal),
+    ``num_draft_tokens`` and ``num_accepted_tokens``."""
+
+    @property
+    def accepted_per_verification(self) -> Optional[float]:
+        """Tokens a verification emits: its accepted drafts plus the extra token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def draft_tokens_per_verification(self) -> Optional[float]:
+        """Drafted tokens a verification scores (a tree's nodes)."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
+
+
 @dataclasses.dataclass
-class RequestMetrics:
+class RequestMetrics(PerVerification):
     """Per request, in seconds of ``time.perf_counter()`` and token counts. The spec-decode
     counters use vLLM's names: ``num_drafts`` (steps with a proposal), ``num_draft_tokens``,
     ``num_accepted_tokens`` and ``num_accepted_tokens_per_pos``."""
@@ -54,16 +69,6 @@ class RequestMetrics:
         if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def accepted_per_verification(self) -> Optional[float]:
-        """Tokens a verification emits: its accepted drafts plus the extra token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-
-    @property
-    def draft_tokens_per_verification(self) -> Optional[float]:
-        """Drafted tokens a verification scores (a tree's nodes)."""
-        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def mean_acceptance_length(self) -> Optional[float]:
@@ -146,7 +151,7 @@ class Request:
 
 
 @dataclasses.dataclass
-class EngineStats:
+class EngineStats(PerVerification):
     """Totals over finished requests (vLLM's metric names where it has them)."""
 
     k_max: int

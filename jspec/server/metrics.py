@@ -3,7 +3,9 @@
 
 Speculative decoding, under vLLM's names (totals over finished and aborted requests):
 ``vllm:spec_decode_num_drafts_total`` (steps with a proposal), ``..._num_draft_tokens_total``,
-``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}``.
+``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}``; and
+their ratios ``jspec:spec_decode_accepted_per_verification`` (tokens a verification emits) and
+``jspec:spec_decode_draft_tokens_per_verification`` (a token tree's nodes per verification).
 
 The rest under ``jspec:`` names: requests (``jspec:num_requests_running`` / ``_waiting``,
 ``jspec:request_success_total{finished_reason}``), tokens (``jspec:prompt_tokens_total``,
@@ -62,6 +64,12 @@ class _SnapshotCollector:
         for j, a in enumerate(s.num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model, str(j)], a)
         yield per_pos
+        yield gauge("jspec:spec_decode_accepted_per_verification",
+                    "Tokens a verification emits (accepted drafts + the target's own), over finished requests; "
+                    "0 before the first.", s.accepted_per_verification or 0.0)
+        yield gauge("jspec:spec_decode_draft_tokens_per_verification",
+                    "Drafted tokens (a tree's nodes) a verification scores, over finished requests; 0 before the first.",
+                    s.draft_tokens_per_verification or 0.0)
 
         yield gauge("jspec:num_requests_running", "Requests in an engine slot (prefilling or decoding).",
                     snap["running"])
