@@ -92,6 +92,22 @@ def test_greedy_hybrid_tree_equals_plain_greedy(target):
     assert out.accepted_counts[1] > 0
 
 
+def test_engine_stats_count_tokens_and_nodes_per_verification(target):
+    """The numbers `jspec generate` and /metrics report for trees: the tokens a verification
+    emits and the nodes it scores, from the engine's totals."""
+    engine = jspec.LLMEngine(target, jspec.EngineConfig(max_num_seqs=4, max_model_len=64),
+                             drafter=_tree_drafter(target.config, 12, 4, 4), drafter_params=eagle_params(target))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    for _ in engine.step_until_done():
+        pass
+    s = engine.stats
+    assert s.num_drafts > 0
+    assert s.accepted_per_verification == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+    assert 1 < s.accepted_per_verification <= 5  # at most the tree's depth + 1
+    assert s.draft_tokens_per_verification == pytest.approx(12)  # every verification scores the whole tree
+
+
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
 SAMPLED_PROMPT = [3, 4, 3, 4, 3]
 
