@@ -12,7 +12,8 @@ Implementations:
     cpu        a C++ kernel through XLA's FFI that reads the pages in place
                (pallas_kernels.cpu.paged_attention; float32 queries over float32, float16,
                bfloat16 or 8-bit float pages, built at first use) for up to CPU_KERNEL_MAX_ROWS query rows;
-               xla elsewhere (long prefill chunks, other dtypes, no compiler, tree masks)
+               xla elsewhere (long prefill chunks, other dtypes, no compiler, tree masks, and
+               the options of Gemma's layers: a sliding window, soft-capped scores, a score scale)
     pallas     the Pallas Triton kernel, compiled for the GPU (CUDA or ROCm); 16- and 32-bit pages
     interpret  the same Pallas kernel in interpret mode (CPU tests)
     auto       pallas on a GPU backend; on the CPU, cpu where the kernels are built, else xla
@@ -71,9 +72,14 @@ def paged_attention_xla(
     *,
     block_keys: int = BLOCK_KEYS,
     tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
+    sm_scale: Optional[float] = None,
+    soft_cap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> jax.Array:  # [B, T, Hq, D]
     """The contract with an online softmax over blocks of ``block_keys`` keys; the loop runs
-    ``ceil(max(kv_lens) / block_keys)`` times (a while loop: no recompilation as contexts grow)."""
+    ``ceil(max(kv_lens) / block_keys)`` times (a while loop: no recompilation as contexts grow).
+    ``sm_scale``, ``soft_cap``, ``sliding_window``: as the reference
+    (:mod:`pallas_kernels.paged_verify_attention`)."""
     b, t, hq, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
     g = hq // kvh
@@ -84,7 +90,7 @@ def paged_attention_xla(
     if q_lens is None:
         q_lens = jnp.full((b,), t, jnp.int32)
     q_pos = kv_lens[:, None] - q_lens[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
+    qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32) * (d ** -0.5 if sm_scale is None else sm_scale)
     num_blocks = (jnp.max(kv_lens) + n - 1) // n
 
     def body(j, carry):
@@ -96,7 +102,11 @@ def paged_attention_xla(
         live = pos[None, :] < kv_lens[:, None]  # [B, n]
         v = jnp.where(live[None, :, :, None], v, 0.0)  # stale or NaN slots cannot leak through 0 * NaN
         s = jnp.einsum("btkgd,kbnd->bkgtn", qg, k)  # [B, KVH, G, T, n]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         visible = (pos[None, None, :] <= q_pos[:, :, None]) & live[:, None, :]  # [B, T, n]
+        if sliding_window is not None:
+            visible &= pos[None, None, :] > q_pos[:, :, None] - sliding_window
         if tree_mask is not None:
             visible &= tree_mask_visible(pos[None, None, :], (kv_lens - q_lens)[:, None, None], tree_mask[:, :, None])
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -117,12 +127,16 @@ def paged_attention_xla(
     return jnp.where(valid_row[:, :, None, None], o, 0.0).astype(q.dtype)
 
 
-def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *, tree_mask=None):
+def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *, tree_mask=None,
+                               **options):
     """The cpu implementation: the C++ kernel for up to :data:`CPU_KERNEL_MAX_ROWS` query rows
     per sequence (float32 queries; float32, float16, bfloat16 or 8-bit float pages), the xla path
-    otherwise (a tree verification included: the kernel knows the causal contract only)."""
-    if tree_mask is not None:
-        return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask)
+    otherwise (a tree verification and Gemma's ``options`` included: the kernel knows the plain
+    causal contract only)."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if tree_mask is not None or options:
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask,
+                                   **options)
     if q.shape[1] > CPU_KERNEL_MAX_ROWS:
         return paged_attention_xla(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
     return paged_attention_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, fallback=paged_attention_xla)
@@ -131,7 +145,8 @@ def paged_attention_cpu_or_xla(q, k_pages, v_pages, block_tables, kv_lens, q_len
 @functools.lru_cache(maxsize=None)
 def get(impl: str = "auto") -> Callable:
     """The attention function for ``impl``, with the signature
-    ``fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, tree_mask=None) -> out``."""
+    ``fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, tree_mask=None, sm_scale=None,
+    soft_cap=None, sliding_window=None) -> out``."""
     impl = resolve(impl)
     if impl == "xla":
         return paged_attention_xla

@@ -15,6 +15,13 @@ and sees every key before start (the cached prefix), and the key of new row j ex
 of ``tree_mask[b, t]`` is set (its ancestors and itself; T <= 32). A chain's mask,
 ``(1 << (t + 1)) - 1`` for row t, is the causal contract. ``tree_mask_visible`` states it once.
 
+Options of a model's attention layer (Gemma's), the same in every implementation:
+``sliding_window`` W (a local layer: row at position p sees keys at positions > p - W, W keys
+itself included, as Hugging Face's sliding-window mask), ``soft_cap`` c (scores become
+``c * tanh(score / c)`` after scaling) and ``sm_scale`` (the score scale; default D ** -0.5).
+A tree verification with a sliding window is not defined (its rows' positions differ from
+their storage positions); callers refuse the pair.
+
 Implementations here: ``paged_verify_attention`` (the Pallas Triton kernel; ``interpret=True``
 runs it on the CPU) and ``paged_verify_attention_reference`` (plain jnp, the oracle). The
 kernel's design is described above ``_paged_verify_kernel``; its tiles come from
@@ -29,6 +36,7 @@ Shapes and dtypes:
     kv_lens       int32 [B]                      keys of sequence b, new tokens included
     q_lens        int32 [B] or None (= T)
     tree_mask     int32 [B, T] or None (causal)  bit j of row t: row t sees new row j (T <= 32)
+    sliding_window  int or None                  a local layer's window (keys, itself included)
     result        [B, T, Hq, D] in q's dtype
 """
 from __future__ import annotations
@@ -53,7 +61,7 @@ PAGE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=None, *,
-                            page_dtypes=PAGE_DTYPES, tree_mask=None) -> None:
+                            page_dtypes=PAGE_DTYPES, tree_mask=None, sliding_window=None) -> None:
     """Raise ``ValueError`` naming the offending argument when shapes or dtypes are wrong
     (``page_dtypes``: the pages' dtypes the caller reads)."""
     if q.ndim != 4:
@@ -93,6 +101,11 @@ def check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens=N
             raise ValueError(f"tree_mask must be int32 [B={b}, T={q.shape[1]}], got {tree_mask.dtype} {tree_mask.shape}")
         if q.shape[1] > MAX_TREE_ROWS:
             raise ValueError(f"a tree verification has at most {MAX_TREE_ROWS} rows, got T={q.shape[1]}")
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be an integer >= 1 or None, got {sliding_window!r}")
+        if tree_mask is not None:
+            raise ValueError("a tree verification with a sliding window is not defined")
     _check_concrete_lens(kv_lens, q_lens, q.shape[1], block_tables.shape[1] * k_pages.shape[2])
 
 
@@ -166,9 +179,11 @@ def paged_verify_attention_reference(
     sm_scale: Optional[float] = None,
     soft_cap: Optional[float] = None,
     tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
+    sliding_window: Optional[int] = None,
 ) -> jax.Array:  # [B, T, Hq, D]
     """Plain-jnp oracle of the contract: gather every page of each sequence, mask, softmax."""
-    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask)
+    check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask=tree_mask,
+                            sliding_window=sliding_window)
     b, t, hq, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
     group = hq // kvh
@@ -193,6 +208,8 @@ def paged_verify_attention_reference(
 
     q_pos = kv_lens[:, None] - q_lens[:, None] + jnp.arange(t)[None, :]  # [B, T]
     visible = jnp.arange(n)[None, None, :] <= q_pos[:, :, None]  # [B, T, N]
+    if sliding_window is not None:
+        visible &= jnp.arange(n)[None, None, :] > q_pos[:, :, None] - sliding_window
     if tree_mask is not None:
         start = (kv_lens - q_lens)[:, None, None]
         visible &= tree_mask_visible(jnp.arange(n)[None, None, :], start, tree_mask[:, :, None])
@@ -267,6 +284,7 @@ def _paged_verify_kernel(
     sm_scale: float,
     soft_cap: Optional[float],
     tree: bool = False,
+    sliding_window: Optional[int] = None,
 ):
     tree_ref, out_refs = (refs[0], refs[1:]) if tree else (None, refs)
     t_len = q_ref.shape[0]
@@ -331,6 +349,8 @@ def _paged_verify_kernel(
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if tree:
                 visible &= tree_mask_visible(k_pos[None, :], kv_len - q_len, bits[:, None])
+            if sliding_window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
             s = jnp.where(visible, s, -jnp.inf)
 
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -418,6 +438,7 @@ def paged_verify_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     tree_mask: Optional[jax.Array] = None,  # int32 [B, T]
+    sliding_window: Optional[int] = None,
 ) -> jax.Array:  # [B, T, Hq, D]
     """Verification attention over a block-paged KV cache (the contract in the module doc).
 
@@ -435,16 +456,16 @@ def paged_verify_attention(
     # NVIDIA, E4M3FNUZ on gfx942), the Triton lowering switches to 64-bit offsets only above 2^32
     # bytes, so a 1-byte cache of 2-4 GiB (>= 2^31 elements) would overflow 32-bit element offsets.
     check_paged_verify_args(q, k_pages, v_pages, block_tables, kv_lens, q_lens, page_dtypes=FLOAT_DTYPES,
-                            tree_mask=tree_mask)
+                            tree_mask=tree_mask, sliding_window=sliding_window)
     return _paged_verify_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, tree_mask, sm_scale=sm_scale,
-        soft_cap=soft_cap, interpret=interpret, block_q=block_q, block_k=block_k,
+        soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, block_q=block_q, block_k=block_k,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "interpret", "block_q", "block_k", "num_splits",
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "block_q", "block_k", "num_splits",
                      "num_warps", "num_stages"),
 )
 def _paged_verify_attention(
@@ -458,6 +479,7 @@ def _paged_verify_attention(
     *,
     sm_scale: Optional[float] = None,
     soft_cap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
     interpret: bool = False,
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
@@ -485,7 +507,7 @@ def _paged_verify_attention(
         block_q=plan.block_q, head_dim_padded=plan.head_dim_padded, block_k=plan.block_k,
         num_splits=ns, min_keys_per_split=plan.min_keys_per_split,
         sm_scale=d**-0.5 if sm_scale is None else float(sm_scale), soft_cap=soft_cap,
-        tree=tree_mask is not None)
+        tree=tree_mask is not None, sliding_window=sliding_window)
     in_specs = [
         pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # kv_lens
         pl.BlockSpec((1,), lambda i, h, j, s: (i,)),  # q_lens

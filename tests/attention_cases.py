@@ -29,6 +29,7 @@ class Case:
     tiles: tuple = ()  # explicit static tile arguments, as (name, value) pairs
     sm_scale: Optional[float] = None
     soft_cap: Optional[float] = None
+    sliding_window: Optional[int] = None
 
 
 def make_inputs(case: Case, seed: int = 0):

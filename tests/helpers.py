@@ -119,19 +119,25 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(directory))
 
 
-def dense_causal_attention(q, k, v, q_start):
-    """Numpy oracle: q [T, Hq, D] at positions q_start.., k/v [N, KVH, D] contiguous."""
+def dense_causal_attention(q, k, v, q_start, *, sm_scale=None, soft_cap=None, sliding_window=None):
+    """Numpy oracle: q [T, Hq, D] at positions q_start.., k/v [N, KVH, D] contiguous; the
+    options as Hugging Face's Gemma layers apply them (scale, then cap; the window counts the
+    row's own key)."""
     t, hq, d = q.shape
     kvh = k.shape[1]
     g = hq // kvh
+    scale = 1 / np.sqrt(d) if sm_scale is None else sm_scale
     out = np.zeros_like(q, dtype=np.float64)
     for h in range(hq):
         kh, vh = k[:, h // g].astype(np.float64), v[:, h // g].astype(np.float64)
         for i in range(t):
             n = q_start + i + 1
-            s = kh[:n] @ q[i, h].astype(np.float64) / np.sqrt(d)
+            lo = 0 if sliding_window is None else max(0, n - sliding_window)
+            s = kh[lo:n] @ q[i, h].astype(np.float64) * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
             p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ vh[:n]
+            out[i, h] = (p / p.sum()) @ vh[lo:n]
     return out
 
 

@@ -67,3 +67,22 @@ def test_loop_trips_follow_the_live_context():
     a = paged_attention_xla(jnp.asarray(q), k_pages, v_pages, tables, *lens, block_keys=8)
     b = paged_attention_xla(jnp.asarray(q), k_pages, v_pages, wide, *lens, block_keys=8)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("options", [dict(sliding_window=5), dict(sliding_window=40, soft_cap=3.0, sm_scale=0.11),
+                                     dict(soft_cap=2.0)])
+def test_gemma_options_equal_oracle_and_dense(options):
+    """A local layer's window (shorter and longer than a block of keys), soft-capped scores and a
+    score scale: the xla path, the reference and a dense numpy computation agree."""
+    kv_lens, q_lens, t = [70, 9, 33], [5, 3, 1], 5
+    rng = np.random.default_rng(7)
+    q, k_pages, v_pages, tables, k_dense, v_dense = _paged_setup(rng, kv_lens, q_lens, 2, 4, 16, 8, t)
+    args = (jnp.asarray(q), k_pages, v_pages, tables, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32))
+    got = np.asarray(jax.jit(lambda *a: paged_attention_xla(*a, block_keys=16, **options))(*args))
+    ref = np.asarray(paged_verify_attention_reference(*args, **options))
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+    for b, (n, ql) in enumerate(zip(kv_lens, q_lens)):
+        want = dense_causal_attention(q[b, :ql], k_dense[b], v_dense[b], n - ql, **options)
+        np.testing.assert_allclose(got[b, :ql], want, rtol=2e-5, atol=2e-5)
+    plain = np.asarray(paged_verify_attention_reference(*args))
+    assert not np.allclose(plain, ref, atol=1e-3)  # the options change the answer

@@ -21,6 +21,7 @@ relative) at the end.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -38,7 +39,7 @@ from pallas_kernels.paged_verify_attention import (
 
 def check_case(case: Case, **extra_tiles):
     kernel_args, ref_args = make_inputs(case)
-    kw = dict(sm_scale=case.sm_scale, soft_cap=case.soft_cap)
+    kw = dict(sm_scale=case.sm_scale, soft_cap=case.soft_cap, sliding_window=case.sliding_window)
     out = paged_verify_attention(*kernel_args, interpret=True, **kw, **dict(case.tiles), **extra_tiles)
     ref = paged_verify_attention_reference(*ref_args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype == case.dtype
@@ -80,6 +81,11 @@ CASES = {
                                                    ("num_splits", 3))),
     "head_dim_80_t2_g3": Case(2, 3, 80, 16, (20, 45)),
     "soft_cap_sm_scale_t2_g1": Case(2, 1, 64, 32, (3, 90), sm_scale=0.3, soft_cap=5.0),
+    # a local layer's window (Gemma): inside one page, across splits, with the cap and a scale
+    "sliding_window_t5_g3_ragged_q": Case(5, 3, 64, 16, (5, 48, 97), q_lens=(5, 3, 2), sliding_window=7),
+    "sliding_window_splits_soft_cap": Case(5, 2, 64, 16, (40, 100, 5), max_pages=10, garbage="mixed",
+                                           sliding_window=33, soft_cap=4.0, sm_scale=0.2,
+                                           tiles=(("block_k", 16), ("num_splits", 4))),
     "bf16_q_over_f32_cache": Case(5, 3, 64, 16, (9, 60), dtype=jnp.bfloat16,
                                   cache_dtype=jnp.float32),
     # a float32 model over 16-bit pages (EngineConfig.kv_cache_dtype)
@@ -296,8 +302,10 @@ B, T, KVH, G, D, PAGE, PAGES, MAX_PAGES = 4, 16, 8, 8, 128, 16, 512, 128
 
 
 def _lower_for(platform: str, device_kind: str, batch: int = B, t: int = T, group: int = G,
-               d: int = D, pages: int = PAGES, max_pages: int = MAX_PAGES, dtype=jnp.bfloat16, cache_dtype=None):
-    """The kernel lowered for ``platform`` via an abstract device (bf16 unless said)."""
+               d: int = D, pages: int = PAGES, max_pages: int = MAX_PAGES, dtype=jnp.bfloat16, cache_dtype=None,
+               **options):
+    """The kernel lowered for ``platform`` via an abstract device (bf16 unless said; ``options``:
+    the attention options, such as a sliding window)."""
     import jaxlib
 
     jaxlib_version = tuple(int(x) for x in jaxlib.__version__.split(".")[:3])
@@ -318,7 +326,8 @@ def _lower_for(platform: str, device_kind: str, batch: int = B, t: int = T, grou
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(paged_verify_attention).trace(*args).lower(lowering_platforms=(platform,))
+        fn = functools.partial(paged_verify_attention, **options)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
 
 
 def _triton_modules(monkeypatch, *lower_args, **lower_kwargs) -> list[str]:
@@ -351,6 +360,15 @@ def _triton_modules(monkeypatch, *lower_args, **lower_kwargs) -> list[str]:
 ])
 def test_lowers_to_a_triton_call_with_the_device_tuning_entry(platform, kind, entry):
     _check_triton_call(_lower_for(platform, kind).as_text(), entry)
+
+
+@pytest.mark.parametrize("platform, kind, entry", [("cuda", "NVIDIA H200", tuning.HOPPER),
+                                                   ("rocm", "gfx942", tuning.CDNA3)])
+def test_a_gemma_local_layer_lowers_to_one_triton_call(platform, kind, entry):
+    """A sliding window with soft-capped scores and Gemma's score scale (query_pre_attn_scalar
+    256 at head_dim 128): the same single kernel launch, the options compiled in."""
+    text = _lower_for(platform, kind, sliding_window=1024, soft_cap=50.0, sm_scale=256 ** -0.5).as_text()
+    _check_triton_call(text, entry)
 
 
 @pytest.mark.parametrize("platform, kind, entry", [("cuda", "NVIDIA H200", tuning.HOPPER),
