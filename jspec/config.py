@@ -20,7 +20,12 @@ from typing import Optional
 
 from jspec.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+# Gemma's decoder (jspec.models.gemma): (1 + w) RMSNorms before and after attention and the MLP,
+# the embedding scaled by sqrt(hidden), GeGLU, local (sliding-window) and global layers.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 31  # drafted nodes of a token tree: with its root, one bit per row of an int32 mask
 DEFAULT_TREE_WIDTH = 4  # each expansion's best tokens when a tree budget names no width
@@ -113,6 +118,19 @@ class ModelConfig:
     # Tensor-parallel layout of the weights (jspec.parallel): the fused QKV and gate/up columns
     # are grouped per device, and attention runs per device inside shard_map. 1 = one device.
     tensor_parallel: int = 1
+    # Gemma 2 / 3 (None and defaults elsewhere): the MLP's activation; each layer's attention,
+    # "full" or "sliding" over the last ``sliding_window`` keys; RoPE's base of the sliding layers
+    # (Gemma 3; default rope_theta) and a linear RoPE scaling of the full ones (Gemma-3-27B: 8);
+    # the score scale query_pre_attn_scalar ** -0.5 (default head_dim ** -0.5); tanh caps of the
+    # attention scores and the final logits (Gemma 2).
+    hidden_act: str = "silu"
+    layer_types: Optional[tuple[str, ...]] = None
+    sliding_window: Optional[int] = None
+    local_rope_theta: Optional[float] = None
+    rope_linear_factor: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -155,12 +173,44 @@ class ModelConfig:
         if bos is not None and (not _is_int(bos) or not 0 <= bos < self.vocab_size):
             raise ConfigError(f"bos_token_id must be a token id in [0, {self.vocab_size}) or None, got {bos!r}")
         object.__setattr__(self, "bos_token_id", None if bos is None else int(bos))
+        self._check_gemma_fields()
         tp = self.tensor_parallel
         if not _is_int(tp) or tp < 1:
             raise ConfigError(f"tensor_parallel must be an integer >= 1, got {tp!r}")
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, name) % tp:
                 raise ConfigError(f"tensor_parallel {tp} does not divide {name} ({getattr(self, name)})")
+
+    def _check_gemma_fields(self):
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ConfigError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} "
+                                  f"layers, got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
+            if "sliding" in types and self.sliding_window is None:
+                raise ConfigError("sliding layers need a sliding_window")
+        w = self.sliding_window
+        if w is not None and (not _is_int(w) or not 1 <= w <= INT32_MAX):
+            raise ConfigError(f"sliding_window must be an integer in [1, {INT32_MAX}] or None, got {w!r}")
+        for name in ("local_rope_theta", "rope_linear_factor", "query_pre_attn_scalar", "attn_logit_softcap",
+                     "final_logit_softcap"):
+            v = getattr(self, name)
+            if v is not None:
+                if not _is_real(v) or not math.isfinite(v) or v <= 0:
+                    raise ConfigError(f"{name} must be a finite number > 0 or None, got {v!r}")
+                object.__setattr__(self, name, float(v))
+
+    @property
+    def is_gemma(self) -> bool:
+        """Whether the decoder is Gemma's (jspec.models.gemma) rather than Llama's."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def layer_type(self, i: int) -> str:
+        """"full" or "sliding": what layer ``i`` attends to."""
+        return "full" if self.layer_types is None else self.layer_types[i]
 
     @property
     def q_size(self) -> int:
@@ -175,7 +225,7 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + 3 * h * i + (4 if self.is_gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 

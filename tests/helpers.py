@@ -77,6 +77,8 @@ def write_hf_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, tok
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     cfg = cls_cfg(**hf_config_dict(arch, **config_kw))
@@ -86,6 +88,11 @@ def write_hf_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, tok
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.uniform_(0.5, 1.5)
+    if arch.startswith("gemma"):  # Gemma's norm weights start at 0 (a gain of 1): move them
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(-0.5, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
     if tokenizer:

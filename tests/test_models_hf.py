@@ -55,6 +55,15 @@ CASES = {
     "qwen2-bias": dict(arch="qwen2", num_key_value_heads=1),
     "mistral": dict(arch="mistral", num_key_value_heads=4),
     "qwen3": dict(arch="qwen3", num_key_value_heads=2, head_dim=16),
+    # Gemma: windows of 4 keys over 23 tokens, caps small enough to bind, a score scale that is
+    # not head_dim's; Gemma 3 with a linear-scaled global RoPE beside its local base
+    "gemma2": dict(arch="gemma2", head_dim=16, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma2-tied": dict(arch="gemma2", head_dim=16, sliding_window=5, tie_word_embeddings=True),
+    "gemma3": dict(arch="gemma3_text", head_dim=16, num_hidden_layers=3, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 
 

@@ -130,12 +130,14 @@ class LLMEngine:
         """How the steps and the drafter run the models, chosen once: on the CPU kernels
         (:mod:`jspec.models.cpu_path`) where the small-row kernel applies (the CPU backend, a float32
         model, the kernel built and tuned for this CPU), the plain modules elsewhere."""
-        return cpu_path.CPU if device.platform == "cpu" and cpu_path.small_rows_apply(mc.dtype) else PLAIN
+        cpu = device.platform == "cpu" and cpu_path.small_rows_apply(mc.dtype) and not mc.is_gemma
+        return cpu_path.CPU if cpu else PLAIN  # the CPU kernels fuse Llama's layer, not Gemma's
 
     @staticmethod
     def _small_row_weights(config: EngineConfig, mc, device) -> bool:
         """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
-        applies = device.platform == "cpu" and config.tensor_parallel_size == 1 and cpu_path.small_rows_apply(mc.dtype)
+        applies = (device.platform == "cpu" and config.tensor_parallel_size == 1 and not mc.is_gemma
+                   and cpu_path.small_rows_apply(mc.dtype))
         if config.small_row_weights and not applies:
             log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, or "
                         "the kernel is not built); the engine runs without the copy", device.platform, mc.dtype)

@@ -19,6 +19,9 @@ Parameter tree (Flax ``nn.Dense`` kernels are ``[in, out]``):
     layers_{i}/mlp/down_proj/kernel       [I, H]
     norm/scale                            [H]
     lm_head/kernel                        [H, V]   (untied models only)
+
+Gemma adds ``layers_{i}/pre_feedforward_layernorm/scale`` and ``post_feedforward_layernorm``
+(its norms' weights are offsets from one, kept as stored; :mod:`jspec.models.gemma`).
 """
 
 from __future__ import annotations
@@ -65,7 +68,15 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.v_proj.bias": (kv,)})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+        for norm in layer_norm_names(cfg)[2:]:
+            shapes[p + norm + ".weight"] = (h,)
     return shapes
+
+
+def layer_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """A decoder layer's norms (the same names in Hugging Face's checkpoints and jspec's tree)."""
+    names = ("input_layernorm", "post_attention_layernorm")
+    return names + (("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.is_gemma else ())
 
 
 def layers_present(names) -> int:
@@ -167,8 +178,8 @@ def params_from_hf(cfg: ModelConfig, get: TensorGetter, source: str = "checkpoin
         if cfg.qk_norm:
             for x in "qk":
                 layer["self_attn"][f"{x}_norm"] = {"scale": dev(take(p + f"self_attn.{x}_norm.weight"))}
-        layer["input_layernorm"] = {"scale": dev(take(p + "input_layernorm.weight"))}
-        layer["post_attention_layernorm"] = {"scale": dev(take(p + "post_attention_layernorm.weight"))}
+        for norm in layer_norm_names(cfg):
+            layer[norm] = {"scale": dev(take(p + norm + ".weight"))}
         params[f"layers_{n}"] = layer
     return params
 
@@ -280,6 +291,6 @@ def params_to_hf(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
         gu = f(lp["mlp"]["gate_up_proj"]["kernel"]).T
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gu[:i], gu[i:]
         out[p + "mlp.down_proj.weight"] = f(lp["mlp"]["down_proj"]["kernel"]).T
-        out[p + "input_layernorm.weight"] = f(lp["input_layernorm"]["scale"])
-        out[p + "post_attention_layernorm.weight"] = f(lp["post_attention_layernorm"]["scale"])
+        for norm in layer_norm_names(cfg):
+            out[p + norm + ".weight"] = f(lp[norm]["scale"])
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

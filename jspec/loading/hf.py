@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from jspec.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from jspec.config import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from jspec.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedModelError
 from jspec.loading import schema
 
@@ -48,9 +48,12 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {model_type!r} "
-            f"(architectures={d.get('architectures')}); jspec runs llama, qwen2, qwen3 and mistral")
+            f"(architectures={d.get('architectures')}); jspec runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     c = schema.check(d, schema.HF_CONFIG, source)
-    if c["hidden_act"] != "silu":
+    gemma = gemma_fields(d, c, model_type, source) if model_type in GEMMA_ARCHITECTURES else {}
+    if gemma:
+        c["rope_scaling"] = c["rope_parameters"] = None  # read per layer type by gemma_fields
+    elif c["hidden_act"] != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {c['hidden_act']!r} is not silu")
     if c["mlp_bias"]:
         raise UnsupportedModelError(f"{source}: mlp_bias is not supported")
@@ -65,7 +68,7 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
         raise UnsupportedModelError(f"{source}: rope type {rope['rope_type']!r} is not supported (default, llama3)")
     max_pos = c["max_position_embeddings"]
     window = c["sliding_window"]
-    if window and (model_type == "mistral" or c["use_sliding_window"]):
+    if window and not gemma and (model_type == "mistral" or c["use_sliding_window"]):
         max_pos = min(max_pos, window)  # within the window, sliding attention is full attention
     eos = c["eos_token_id"]
     if generation is not None:
@@ -75,6 +78,8 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
             eos = g["eos_token_id"]
     heads = c["num_attention_heads"]
     theta = c["rope_theta"] or rope["rope_theta"] or 10000.0
+    if gemma:
+        theta = gemma.pop("rope_theta") or theta
     try:
         return ModelConfig(
             vocab_size=c["vocab_size"],
@@ -88,16 +93,60 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=c["tie_word_embeddings"],
+            tie_word_embeddings=gemma.pop("tie_word_embeddings", c["tie_word_embeddings"]),
             qkv_bias=model_type == "qwen2" or c["attention_bias"],
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             architecture=model_type,
             bos_token_id=c["bos_token_id"],
             eos_token_ids=eos or (),
             dtype=dtype,
+            **gemma,
         )
     except ConfigError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+def gemma_fields(d: dict, c: dict, model_type: str, source: str) -> dict:
+    """ModelConfig's Gemma fields from a checked ``config.json`` (``c``: its HF_CONFIG fields).
+    Layer types come from ``layer_types``, else from Gemma 2's alternation (even layers local) or
+    Gemma 3's ``sliding_window_pattern`` (every sixth layer global); RoPE from
+    ``rope_parameters`` (one block, or one per layer type) or the older ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` (linear, global layers)."""
+    g = schema.check(d, schema.HF_GEMMA, source)
+    act = g["hidden_activation"] or g["hidden_act"] or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not gelu_pytorch_tanh")
+    n = c["num_hidden_layers"]
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if g["layer_types"] is not None:
+        bad = [t for t in g["layer_types"] if t not in names]
+        if bad or len(g["layer_types"]) != n:
+            schema.fail(source, "layer_types", f"expected {n} of sliding_attention / full_attention, "
+                        f"got {len(g['layer_types'])} ({', '.join(map(repr, bad[:3]))})")
+        types = tuple(names[t] for t in g["layer_types"])
+    elif model_type == "gemma2":
+        types = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+    else:
+        pattern = g["sliding_window_pattern"] or g["_sliding_window_pattern"] or 6
+        types = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
+    if "sliding" in types and not c["sliding_window"]:
+        schema.fail(source, "sliding_window", "missing (the config has sliding-attention layers)")
+    rope = c["rope_parameters"] or {}
+    per_type = isinstance(rope.get("full_attention"), dict)
+    full = schema.check(rope["full_attention"] if per_type else {**rope, **(c["rope_scaling"] or {})},
+                        schema.HF_GEMMA_ROPE, source, "rope_parameters.full_attention." if per_type else "rope_parameters.")
+    local = (schema.check(rope.get("sliding_attention") or {}, schema.HF_GEMMA_ROPE, source,
+                          "rope_parameters.sliding_attention.") if per_type else {"rope_theta": None})
+    if per_type and local["rope_type"] != "default":
+        schema.fail(source, "rope_parameters.sliding_attention.rope_type", f"{local['rope_type']!r} is not default")
+    if full["rope_type"] == "linear" and full["factor"] is None:
+        schema.fail(source, "rope_parameters.factor", "missing (linear RoPE scaling)")
+    return dict(hidden_act="gelu_tanh", layer_types=types, sliding_window=c["sliding_window"],
+                rope_theta=full["rope_theta"] or c["rope_theta"],
+                local_rope_theta=local["rope_theta"] or g["rope_local_base_freq"],
+                rope_linear_factor=full["factor"] if full["rope_type"] == "linear" else None,
+                query_pre_attn_scalar=g["query_pre_attn_scalar"], attn_logit_softcap=g["attn_logit_softcapping"],
+                final_logit_softcap=g["final_logit_softcapping"], tie_word_embeddings=g["tie_word_embeddings"])
 
 
 class SafetensorsDir:

@@ -64,7 +64,8 @@ def weights_bytes_per_device(config: ModelConfig, tp: int = 1, dtype: Any = None
     from jspec.models.tensor_parallel import tp_config  # here: it imports JAX, which this module does not
 
     c = tp_config(config, tp)
-    norms = (2 * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
+    per_layer = 4 if c.is_gemma else 2
+    norms = (per_layer * c.num_layers + 1) * c.hidden_size + (2 * c.num_layers * c.head_dim if c.qk_norm else 0)
     return -(-(c.num_params() - norms) // tp) * itemsize(dtype or c.dtype) + norms * itemsize(dtype or c.dtype)
 
 

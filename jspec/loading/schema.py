@@ -11,7 +11,8 @@ Sizes are capped at int32 (they travel as int32 on the device); what a file *can
 checked later against its tensors (:func:`jspec.loading.convert.check_checkpoint`).
 
 Tables:
-    HF_CONFIG          Hugging Face ``config.json`` (llama, qwen2, qwen3, mistral)
+    HF_CONFIG          Hugging Face ``config.json`` (llama, qwen2, qwen3, mistral, gemma2, gemma3_text)
+    HF_GEMMA           its Gemma fields (activation, layer types, window, score scale and caps, RoPE)
     HF_ROPE_LLAMA3     its ``rope_scaling`` block when ``rope_type`` is ``llama3``
     GENERATION_CONFIG  ``generation_config.json`` (only the fields jspec reads)
     SAFETENSORS_INDEX  ``model.safetensors.index.json``
@@ -184,6 +185,22 @@ HF_CONFIG = HF_MODEL_TYPE + (
 
 HF_ROPE = (Field("rope_type", "str"), Field("type", "str"), _positive("rope_theta"))
 
+HF_GEMMA = (
+    Field("hidden_activation", "str"),
+    Field("hidden_act", "str"),
+    Field("layer_types", "str_list"),
+    _size("sliding_window_pattern"),
+    _size("_sliding_window_pattern"),
+    _positive("query_pre_attn_scalar"),
+    _positive("attn_logit_softcapping"),
+    _positive("final_logit_softcapping"),
+    _positive("rope_local_base_freq"),
+    Field("tie_word_embeddings", "bool", default=True),
+)
+
+HF_GEMMA_ROPE = (Field("rope_type", "str", default="default", choices=("default", "linear")),
+                 _positive("rope_theta"), _positive("factor"))
+
 HF_ROPE_LLAMA3 = (
     _positive("factor", required=True),
     _positive("low_freq_factor", required=True),
@@ -351,4 +368,4 @@ def check_card(obj: Any, source: str) -> dict:
 
 
 __all__ = ["Field", "check", "check_value", "check_index", "check_card", "gguf_fields", "gguf_consistency",
-           "hf_consistency", "hf_rope", "HF_CONFIG", "GENERATION_CONFIG", "SAFETENSORS_INDEX", "DRAFT_CARD"]
+           "hf_consistency", "hf_rope", "HF_CONFIG", "HF_GEMMA", "GENERATION_CONFIG", "SAFETENSORS_INDEX", "DRAFT_CARD"]

@@ -52,10 +52,16 @@ from jspec.cache.paged import PAGE_AXES, PagedKVCache, init_cache, write_kv
 from jspec.config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [D/2] (float32, computed as Hugging Face does)."""
+def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2] (float32, computed as Hugging Face does) of layer ``layer``
+    (None: a full-attention layer). Gemma 3's sliding layers take ``local_rope_theta``; its full
+    ones divide by ``rope_linear_factor``."""
     d = config.head_dim
-    inv = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    sliding = layer is not None and config.layer_type(layer) == "sliding"
+    theta = config.local_rope_theta if sliding and config.local_rope_theta else config.rope_theta
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    if config.rope_linear_factor is not None and not sliding:
+        inv = inv / np.float32(config.rope_linear_factor)
     if config.rope_freq_factors is not None:  # llama.cpp stores Llama-3 scaling as divisors
         return (inv / np.asarray(config.rope_freq_factors, np.float32)).astype(np.float32)
     rs = config.rope_scaling
@@ -221,12 +227,14 @@ def _split(x: jax.Array, metas) -> list[jax.Array]:
     return out
 
 
-def qkv_heads(cfg: ModelConfig, qkv: jax.Array, shape: tuple[int, ...], positions: jax.Array, qk_norms=None):
+def qkv_heads(cfg: ModelConfig, qkv: jax.Array, shape: tuple[int, ...], positions: jax.Array, qk_norms=None,
+              inv_freq: Optional[np.ndarray] = None):
     """The fused QKV product's columns [..., (Hq + 2 KVH) D] (grouped per device: [tp, (Hq/tp +
     2 KVH/tp) D]) -> q, k rotated to ``positions`` [*shape] and v, each [*shape, heads, D].
-    ``qk_norms``: (q norm, k norm) applied to each head before the rotation (Qwen3), or None."""
+    ``qk_norms``: (q norm, k norm) applied to each head before the rotation (Qwen3, Gemma 3), or
+    None; ``inv_freq``: the layer's RoPE frequencies (default: the model's)."""
     tp = cfg.tensor_parallel
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope_inv_freq(cfg) if inv_freq is None else inv_freq
     q_cols, kv_cols = cfg.q_size // tp, cfg.kv_size // tp
     part = qkv.reshape(*shape, tp, q_cols + 2 * kv_cols)
     q, k, v = jnp.split(part, [q_cols, q_cols + kv_cols], axis=-1)
@@ -237,20 +245,24 @@ def qkv_heads(cfg: ModelConfig, qkv: jax.Array, shape: tuple[int, ...], position
             v.reshape(*shape, cfg.num_kv_heads, cfg.head_dim))
 
 
-def segment_qkv(cfg: ModelConfig, qkv: jax.Array, metas, qk_norms=None) -> tuple[tuple, tuple, tuple]:
+def segment_qkv(cfg: ModelConfig, qkv: jax.Array, metas, qk_norms=None,
+                inv_freq: Optional[np.ndarray] = None) -> tuple[tuple, tuple, tuple]:
     """The QKV product of every segment's rows [M, (Hq + 2 KVH) D] -> (qs, ks, vs), per segment
-    [Bs, Ts, heads, D], q and k rotated to the segment's positions (``qk_norms``: as qkv_heads)."""
-    return tuple(zip(*[qkv_heads(cfg, part, m.shape, m.positions, qk_norms)
+    [Bs, Ts, heads, D], q and k rotated to the segment's positions (``qk_norms``, ``inv_freq``:
+    as qkv_heads)."""
+    return tuple(zip(*[qkv_heads(cfg, part, m.shape, m.positions, qk_norms, inv_freq)
                        for m, part in zip(metas, _split(qkv, metas))]))
 
 
-def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pages, v_pages):
+def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_pages, v_pages, **options):
     """Every segment's K/V into the pages, then attention per segment (q/k/v per segment
     [Bs, Ts, heads, D], pages [KVH, P, S, D]); returns (the outputs of every segment's rows
     [M, Hq D], k_pages, v_pages). Under tensor parallelism the writes and attention run per
     device inside ``shard_map`` on the device's heads and its slice of the pages: heads are
-    independent, nothing is gathered."""
+    independent, nothing is gathered. ``options``: the attention contract's layer options
+    (``sliding_window``, ``sm_scale``, ``soft_cap``; None = not set)."""
     attn = attention_lib.get(attention)
+    options = {k: v for k, v in options.items() if v is not None}
     qs, ks, vs = list(qs), list(ks), list(vs)
     tables = [m.block_tables for m in metas]
     starts = [m.start for m in metas]
@@ -263,7 +275,7 @@ def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_page
                 k_pages = write_kv(k_pages, k, bt, st, ql)
                 v_pages = write_kv(v_pages, v, bt, st, ql)
         with jax.named_scope("verify_attention"):
-            outs = [attn(q, k_pages, v_pages, bt, st + ql, ql, **({} if tm is None else {"tree_mask": tm}))
+            outs = [attn(q, k_pages, v_pages, bt, st + ql, ql, **options, **({} if tm is None else {"tree_mask": tm}))
                     for q, bt, st, ql, tm in zip(qs, tables, starts, q_lens, masks)]
         return outs, k_pages, v_pages
 
@@ -336,12 +348,15 @@ class Attention(nn.Module):
 
 
 def swiglu(cfg: ModelConfig, gate_up: jax.Array) -> jax.Array:
-    """silu(gate) * up [..., I] from the gate/up product [..., 2 I], whose columns are grouped per
-    device: [tp, 2, I/tp] (tp = 1: [gate | up])."""
+    """act(gate) * up [..., I] from the gate/up product [..., 2 I], whose columns are grouped per
+    device: [tp, 2, I/tp] (tp = 1: [gate | up]); act is silu, or for Gemma the tanh
+    approximation of gelu (GeGLU)."""
     lead = gate_up.shape[:-1]
     gate_up = gate_up.reshape(*lead, cfg.tensor_parallel, 2, -1)
     gate = gate_up[..., 0, :].reshape(*lead, cfg.intermediate_size)
     up = gate_up[..., 1, :].reshape(*lead, cfg.intermediate_size)
+    if cfg.hidden_act == "gelu_tanh":
+        return nn.gelu(gate, approximate=True) * up
     return nn.silu(gate) * up
 
 
@@ -441,6 +456,10 @@ class ForwardOutput(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _module(config: ModelConfig, attention: str, module_cls: type = LlamaForCausalLM) -> LlamaForCausalLM:
+    if config.is_gemma:  # Gemma's decoder on every path (the CPU path's kernels fuse Llama's layer)
+        from jspec.models.gemma import GemmaForCausalLM
+
+        module_cls = GemmaForCausalLM
     return module_cls(config, attention_lib.resolve(attention))
 
 
