@@ -57,6 +57,31 @@ def tiny_qwen3(seed: int = 0, scale: float = 1.0, **kw) -> LoadedModel:
     return model
 
 
+GEMMA = {  # the Gemma fields of tiny configs: windows shorter than the prompts, caps that bind
+    "gemma2": dict(layer_types=("sliding", "full"), sliding_window=6, query_pre_attn_scalar=24.0,
+                   attn_logit_softcap=4.0, final_logit_softcap=6.0),
+    "gemma3_text": dict(layer_types=("sliding", "full"), sliding_window=6, qk_norm=True, local_rope_theta=1e4,
+                        rope_theta=1e6, rope_linear_factor=8.0),
+}
+
+
+def tiny_gemma(arch: str = "gemma2", seed: int = 0, scale: float = 1.0, **kw) -> LoadedModel:
+    """A random Gemma 2 or Gemma 3 model (``arch``: "gemma2" or "gemma3_text"; the fields of
+    GEMMA, ``kw`` over them) with its norms' offsets drawn in [-0.5, 0.5]."""
+    fields = dict(GEMMA[arch], architecture=arch, hidden_act="gelu_tanh", tie_word_embeddings=True)
+    fields.update(kw)
+    if "num_layers" in kw and "layer_types" not in kw:
+        fields["layer_types"] = tuple("sliding" if i % 2 == 0 else "full" for i in range(kw["num_layers"]))
+    model = tiny_model(tiny_config(**fields), seed=seed, scale=scale)
+    rng = np.random.default_rng(seed)
+
+    def offsets(path, x):
+        return jnp.asarray(rng.uniform(-0.5, 0.5, x.shape), x.dtype) if x.ndim == 1 and "norm" in str(path) else x
+
+    model.params = jax.tree_util.tree_map_with_path(offsets, model.params)
+    return model
+
+
 def hf_config_dict(arch: str = "llama", **kw) -> dict:
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

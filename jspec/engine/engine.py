@@ -151,6 +151,9 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
+        if self.spec.tree and model.config.sliding_window is not None and model.config.layer_types:
+            raise ConfigError(f"{model.config.architecture} has sliding-window layers, which token trees do not "
+                              "take (a tree row's position is not its place in the pages): drop the tree budget")
         attention = self._attention()
         loaded_drafter = drafter is None and self.spec.enabled  # built here from a checkpoint or lookup
         drafter, drafter_params = self._place(attention, drafter, drafter_params)

@@ -75,7 +75,7 @@ def normalize_prompts(prompts) -> list[Prompt]:
 
 
 def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = SamplingParams(), *,
-             spec: SpecConfig = SpecConfig(), drafter=None, drafter_params=None,
+             spec: SpecConfig | dict = SpecConfig(), drafter=None, drafter_params=None,
              cache_config: CacheConfig = CacheConfig(), attention: str = "auto", chat: bool = False,
              seeds: Optional[Sequence[int]] = None, on_tokens: Optional[Callable[[list[list[int]]], None]] = None,
              stream_interval: int = 8, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
@@ -94,6 +94,7 @@ def generate(model, prompts: Sequence[Prompt] | str, sampling: SamplingParams = 
     """
     if not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    spec = SpecConfig.from_dict(spec)  # a dict as vLLM's speculative_config, or a SpecConfig
     prompts = normalize_prompts(prompts)
     ids = [encode_prompt(model.tokenizer, p, chat) for p in prompts]
     b = len(ids)

@@ -249,7 +249,8 @@ def load_hf_params(directory: Path, config: ModelConfig, tensors: Optional[Safet
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-    """A Hugging Face ``config.json`` for ``cfg`` (Llama, Qwen2 or Qwen3; the inverse of config_from_hf)."""
+    """A Hugging Face ``config.json`` for ``cfg`` (Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3; the
+    inverse of config_from_hf)."""
     arch = cfg.architecture if cfg.architecture in ("qwen2", "qwen3") else "llama"
     d = {
         "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
@@ -267,8 +268,31 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         d["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                              "high_freq_factor": rs.high_freq_factor,
                              "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if cfg.is_gemma:
+        d.update(gemma_config_dict(cfg))
     if cfg.bos_token_id is not None:
         d["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_ids:
         d["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    return d
+
+
+def gemma_config_dict(cfg: ModelConfig) -> dict:
+    """The Gemma part of :func:`hf_config_dict` (transformers' current layout: ``layer_types``,
+    one RoPE block per layer type for Gemma 3)."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_linear_factor is not None:
+        full = {"rope_type": "linear", "factor": cfg.rope_linear_factor, "rope_theta": cfg.rope_theta}
+    if cfg.architecture == "gemma3_text":
+        rope = {"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": cfg.local_rope_theta or cfg.rope_theta}}
+    else:
+        rope = full
+    types = cfg.layer_types or ("full",) * cfg.num_layers
+    d = {"architectures": [{"gemma2": "Gemma2ForCausalLM"}.get(cfg.architecture, "Gemma3ForCausalLM")],
+         "model_type": cfg.architecture, "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": rope,
+         "layer_types": [f"{t}_attention" for t in types], "sliding_window": cfg.sliding_window,
+         "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+         "attn_logit_softcapping": cfg.attn_logit_softcap, "final_logit_softcapping": cfg.final_logit_softcap}
+    d["hidden_act"] = d["hidden_activation"]
     return d

@@ -1,0 +1,126 @@
+"""Gemma 2 and Gemma 3 through the engine (the logits against transformers are in
+tests/test_models_hf.py, tensor parallelism in tests/test_parallel.py): speculative greedy
+output equals plain greedy with lookup and draft-model drafters on prompts longer than the
+sliding window, on the reference attention and on the CPU engine's path; the window, caps and
+norms run; configs in both of Hugging Face's layouts read the same; what is not built is
+refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import jspec
+from helpers import tiny_config, tiny_gemma, tiny_model, write_hf_checkpoint
+from jspec.config import SamplingParams, SpecConfig
+from jspec.errors import ConfigError, UnsupportedModelError
+from jspec.loading.hf import config_from_hf
+from jspec.speculative.drafters import DraftModelDrafter
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9, 13, 5], [40, 41, 42, 43, 7, 40, 41, 42, 43, 7, 40, 41], [3, 4] * 9]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+ARCHS = ["gemma2", "gemma3_text"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gemma(request):
+    model = tiny_gemma(request.param, seed=1, scale=4.0)
+    return model, jspec.generate(model, PROMPTS, GREEDY, attention="reference").token_ids
+
+
+@pytest.mark.parametrize("attention", ["reference", "auto"])
+def test_ngram_and_draft_model_speculation_equal_plain_greedy(gemma, attention):
+    """A lookup drafter, and a Gemma draft model of one layer (its own window and caps)."""
+    model, plain = gemma
+    assert jspec.generate(model, PROMPTS, GREEDY, attention=attention).token_ids == plain
+    ngram = jspec.generate(model, PROMPTS, GREEDY, attention=attention,
+                           spec=SpecConfig("ngram", num_speculative_tokens=3))
+    assert ngram.token_ids == plain and ngram.mean_accepted_length > 1
+    draft = tiny_gemma(model.config.architecture, seed=7, scale=4.0, num_layers=1)
+    out = jspec.generate(model, PROMPTS, GREEDY, attention=attention,
+                         drafter=DraftModelDrafter(3, draft.config), drafter_params=draft.params)
+    assert out.token_ids == plain and out.proposed_counts[0] > 0
+
+
+def test_a_llama_draft_for_a_gemma_target(gemma):
+    model, plain = gemma
+    draft = tiny_model(tiny_config(num_layers=1), seed=3, scale=4.0)
+    out = jspec.generate(model, PROMPTS, GREEDY, attention="reference",
+                         drafter=DraftModelDrafter(2, draft.config), drafter_params=draft.params)
+    assert out.token_ids == plain
+
+
+@pytest.mark.parametrize("change", [dict(layer_types=("full", "full")), dict(attn_logit_softcap=None),
+                                    dict(hidden_act="silu")])
+def test_the_window_cap_and_activation_change_the_output(change):
+    """The same weights with one Gemma feature dropped decode differently: each one runs (the
+    final logits' cap keeps the argmax; tests/test_models_hf.py checks it on the logits)."""
+    model = tiny_gemma("gemma2", seed=1, scale=4.0)
+    plain = jspec.generate(model, PROMPTS, GREEDY, attention="reference").token_ids
+    other = dataclasses.replace(model, config=dataclasses.replace(model.config, **change))
+    assert jspec.generate(other, PROMPTS, GREEDY, attention="reference").token_ids != plain
+
+
+def test_token_trees_are_refused_for_sliding_window_layers(gemma):
+    model, _ = gemma
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        jspec.generate(model, PROMPTS[:1], GREEDY, spec={"method": "eagle", "model": "any-head",
+                                                         "num_speculative_tokens": 3,
+                                                         "tree": {"max_nodes": 6, "max_width": 2}})
+
+
+def test_older_gemma3_configs_read_as_the_current_layout():
+    """Gemma 3 configs written before per-layer-type RoPE blocks (``rope_local_base_freq``,
+    ``rope_scaling`` linear, ``sliding_window_pattern``), as Gemma-3-27B's, read the same."""
+    base = dict(model_type="gemma3_text", vocab_size=300, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh")
+    old = config_from_hf(dict(base, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    new = config_from_hf(dict(base, layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    assert old == new
+    assert new.layer_types == ("sliding",) * 5 + ("full", "sliding") and new.rope_linear_factor == 8.0
+    assert new.tie_word_embeddings and new.qk_norm and new.hidden_act == "gelu_tanh"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model_type="gemma"), "unsupported architecture 'gemma'"),
+    (dict(hidden_activation="relu"), "hidden_activation 'relu'"),
+    (dict(layer_types=["sliding_attention"]), "layer_types"),
+    (dict(sliding_window=None), "sliding_window"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type"),
+])
+def test_bad_gemma_configs_are_refused_by_name(change, match):
+    d = dict(model_type="gemma2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, head_dim=16, sliding_window=8)
+    d.update(change)
+    with pytest.raises((UnsupportedModelError, jspec.CheckpointError), match=match):
+        config_from_hf(d)
+
+
+def test_a_hugging_face_gemma_checkpoint_round_trips(tmp_path):
+    """Load a transformers Gemma 3, export it (config.json, safetensors), load again: the same
+    config and parameters."""
+    import jax
+    import numpy as np
+
+    from jspec.loading.convert import params_to_hf
+    from jspec.loading.drafts import save_tensors
+    from jspec.loading.hf import hf_config_dict
+
+    src = write_hf_checkpoint(tmp_path / "g3", "gemma3_text", tokenizer=False, head_dim=16, sliding_window=4,
+                              num_hidden_layers=3)
+    model = jspec.load_model(str(src))
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_dict(model.config)))
+    save_tensors(out / "model.safetensors", params_to_hf(model.config, model.params), {"format": "pt"})
+    again = jspec.load_model(str(out))
+    assert again.config == model.config
+    for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
