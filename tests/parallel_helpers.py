@@ -212,6 +212,14 @@ def pallas_in_shard_map(model, tp: int = 2) -> float:
     return float(jnp.max(jnp.where(live, jnp.abs(out - ref), 0.0)))
 
 
+def gemma_target(arch: str = "gemma2"):
+    """The same heads as :func:`target` in a Gemma 2 / Gemma 3 decoder: a local layer (the
+    window shorter than the prompts) and a global one, caps and (Gemma 3) q/k norms."""
+    from helpers import tiny_gemma
+
+    return tiny_gemma(arch, seed=1, scale=4.0, **dict(CONFIG, num_layers=2))
+
+
 def run_engines() -> dict:
     model = target()
     out = {"pallas_max_diff": pallas_in_shard_map(model)}
@@ -229,6 +237,8 @@ def run_engines() -> dict:
             out[f"{tp}/{method}"] = rec
             print(f"tp {tp} {method}: {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
     out["2/qwen3"] = {"tokens": finish(engine(2, "ngram", qwen3_target()))}
+    for arch in ("gemma2", "gemma3_text"):
+        out[f"2/{arch}"] = {"tokens": finish(engine(2, "ngram", gemma_target(arch)))}
     out["2/published-eagle3"] = {"tokens": finish(published_eagle3_engine(2))}
     eng = published_eagle3_engine(2, eagle1=True)
     out["2/published-eagle1"] = {"tokens": finish(eng), "accepted": eng.stats.num_accepted_tokens}

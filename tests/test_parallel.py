@@ -91,6 +91,13 @@ def test_tp_qwen3_with_speculation_gives_the_one_device_tokens(tp_runs):
     assert tp_runs["2/qwen3"]["tokens"] == ph.finish(ph.engine(1, "none", ph.qwen3_target()))
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_tp_gemma_with_speculation_gives_the_one_device_tokens(tp_runs, arch):
+    """Gemma's windows, caps and four norms per layer under tp 2 (the KV heads sharded, the
+    attention options applied per device) with n-gram speculation: one device's plain tokens."""
+    assert tp_runs[f"2/{arch}"]["tokens"] == ph.finish(ph.engine(1, "none", ph.gemma_target(arch)))
+
+
 def test_tp_published_eagle3_head_gives_the_one_device_tokens(tp_runs):
     """A published-layout EAGLE-3 head sharded with its target (attention and MLP regrouped per
     device): tp 2 speculative tokens equal one device's plain greedy tokens."""
