@@ -124,3 +124,34 @@ def test_a_hugging_face_gemma_checkpoint_round_trips(tmp_path):
     assert again.config == model.config
     for a, b in zip(jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(again.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, prefix):
+    """Gemma 3's published checkpoints are multimodal: config.json keeps the language model in
+    ``text_config`` and the tensors under a prefix (the published files' and transformers'
+    current one), beside the vision tower's. jspec loads the language model: the same config and
+    parameters as the text-only checkpoint."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src = write_hf_checkpoint(tmp_path / "text", "gemma3_text", tokenizer=False, head_dim=16, sliding_window=4,
+                              num_hidden_layers=2)
+    text = jspec.load_model(str(src))
+    d = tmp_path / "multimodal"
+    d.mkdir()
+    tensors = {prefix + k[len("model."):] if k.startswith("model.") else k: v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3, 2, 2), np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("eos_token_id")
+    (d / "config.json").write_text(json.dumps({"model_type": "gemma3", "eos_token_id": [1, 2], "text_config": config,
+                                               "architectures": ["Gemma3ForConditionalGeneration"],
+                                               "vision_config": {"model_type": "siglip_vision_model"}}))
+    both = jspec.load_model(str(d))
+    assert both.config.eos_token_ids == (1, 2)  # the top level's, as the published config has them
+    assert dataclasses.replace(both.config, eos_token_ids=text.config.eos_token_ids) == text.config
+    for a, b in zip(jax.tree_util.tree_leaves(text.params), jax.tree_util.tree_leaves(both.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

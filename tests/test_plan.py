@@ -30,7 +30,24 @@ def llama8b():
 def test_shipped_configs_give_the_published_parameter_counts():
     counts = {path.stem: read_config(str(path), "bfloat16").num_params() / 1e9 for path in CONFIGS.glob("*.json")}
     assert counts == pytest.approx({"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.1-405b": 405.85,
-                                    "qwen3-8b": 8.19, "qwen3-32b": 32.76}, abs=0.01)
+                                    "qwen3-8b": 8.19, "qwen3-32b": 32.76, "gemma-3-27b": 27.01}, abs=0.01)
+
+
+def test_the_plan_of_gemma_3_27b_counts_its_language_model_by_hand():
+    """Gemma-3-27B's config.json (multimodal: the language model in text_config over
+    Gemma3TextConfig's defaults): the weights, counted here from its published shapes, and its
+    layers' kinds; tp 2 on two 80 GiB devices splits them."""
+    cfg = read_config(str(CONFIGS / "gemma-3-27b.json"), "bfloat16")
+    assert cfg.architecture == "gemma3_text" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert cfg.layer_types.count("full") == 10 and cfg.layer_types[5] == "full" and cfg.sliding_window == 1024
+    assert (cfg.query_pre_attn_scalar, cfg.rope_linear_factor, cfg.local_rope_theta) == (168, 8.0, 1e4)
+    h, layer_params = 5376, 5376 * (32 + 16 + 16) * 128 + 32 * 128 * 5376 + 3 * 5376 * 21504 + 4 * 5376 + 2 * 128
+    params = 262208 * h + 62 * layer_params + h
+    plan = plan_run(cfg, device_memory=192 * GiB)
+    assert plan.weight_bytes == 2 * params
+    assert plan.kv_bytes_per_token == 2 * 62 * 16 * 128 * 2
+    tp2 = plan_run(cfg, EngineConfig(tensor_parallel_size=2), device_memory=80 * GiB)
+    assert params < tp2.weight_bytes < params + 2 * (4 * 62 + 1) * h * 2
 
 
 def test_the_plan_of_llama_8b_on_80_gib_by_hand():

@@ -44,6 +44,7 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
                    generation: Optional[Any] = None, generation_source: str = "generation_config.json") -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face ``config.json`` (and ``generation_config.json``)
     dictionary, both checked against their schema first (:mod:`jspec.loading.schema`)."""
+    d = text_config(d, source)
     model_type = schema.check(d, schema.HF_MODEL_TYPE, source)["model_type"]
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -149,6 +150,33 @@ def gemma_fields(d: dict, c: dict, model_type: str, source: str) -> dict:
                 final_logit_softcap=g["final_logit_softcapping"], tie_word_embeddings=g["tie_word_embeddings"])
 
 
+# Where a multimodal checkpoint (Gemma 3's Gemma3ForConditionalGeneration) keeps its language
+# model's "model.*" tensors: the layout of the published files, and transformers' current one.
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3 config.json's text_config leaves out
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                            rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=4096,
+                            sliding_window_pattern=6, max_position_embeddings=131072,
+                            hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1)
+
+
+def text_config(d: Any, source: str) -> Any:
+    """A multimodal Gemma 3 ``config.json`` (model_type gemma3) -> its language model's config
+    (``text_config`` over Gemma3TextConfig's defaults, the top level's token ids kept); any
+    other config as it is. The vision tower is not run: jspec generates from text."""
+    if not isinstance(d, dict) or d.get("model_type") != "gemma3":
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        schema.fail(source, "text_config", "missing (a gemma3 config keeps its language model there)")
+    out = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text"}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if d.get(key) is not None and key not in text:
+            out[key] = d[key]
+    return out
+
+
 class SafetensorsDir:
     """Lazy access to the tensors of a directory of safetensors files (headers read at once,
     tensor data only by :meth:`get`)."""
@@ -190,12 +218,21 @@ class SafetensorsDir:
             for k, n in weight_map.items():
                 if k not in self._handles[n].keys():
                     raise CheckpointError(f"{index}: tensor {k} is not in {n}, the shard the index names")
+        self._stored = {}  # exposed name -> the name in the file, where they differ
+        for prefix in LANGUAGE_MODEL_PREFIXES:  # a multimodal checkpoint: its language model only
+            if prefix + "embed_tokens.weight" in self._where:
+                self._stored = {"model." + k[len(prefix):]: k for k in self._where if k.startswith(prefix)}
+                if "lm_head.weight" in self._where:
+                    self._stored["lm_head.weight"] = "lm_head.weight"
+                self._where = {k: self._where[v] for k, v in self._stored.items()}
+                break
 
     def shape(self, name: str) -> Optional[tuple[int, ...]]:
         """Shape of a tensor from its file's header (no data read), None when absent."""
         shard = self._where.get(name)
         if shard is None:
             return None
+        name = self._stored.get(name, name)
         try:
             return tuple(int(x) for x in self._handles[shard].get_slice(name).get_shape())
         except Exception as e:
@@ -208,6 +245,7 @@ class SafetensorsDir:
         shard = self._where.get(name)
         if shard is None:
             return None
+        name = self._stored.get(name, name)
         try:
             return self._handles[shard].get_tensor(name)
         except Exception as e:
