@@ -61,7 +61,8 @@ def _text(nb) -> str:
 def test_notebooks_are_stored_without_outputs():
     names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert names == ["01_quickstart.ipynb", "02_acceptance_vs_k.ipynb", "03_paged_attention_kernel.ipynb",
-                     "04_engine.ipynb", "05_train_a_draft.ipynb", "06_token_trees.ipynb", "08_structured_output.ipynb"]
+                     "04_engine.ipynb", "05_train_a_draft.ipynb", "06_token_trees.ipynb",
+                     "07_bring_your_own_model.ipynb", "08_structured_output.ipynb"]
     for name in names:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
@@ -144,6 +145,18 @@ def test_token_trees(run_notebook):
         assert 1.0 <= float(tokens) <= float(drafted) + 1  # no more than the drafts plus the extra token
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 2
+
+
+def test_bring_your_own_model(run_notebook):
+    _, text = run_notebook("07_bring_your_own_model.ipynb")
+    assert re.search(r"^gemma-3-27b\s+gemma3_text\s+27\.01B parameters, 62 layers, 52 of them local", text, re.M), text
+    assert re.search(r"^llama-3\.1-405b\s+MI300X\s+1\s+refused: the weights \(756\.0 GiB", text, re.M), text
+    assert re.search(r"^llama-3\.1-405b\s+MI300X\s+8\s+94\.5 GiB\s+[\d,]+$", text, re.M), text
+    for family in ("qwen3: qwen3", "gemma3: gemma3_text"):
+        assert re.search(rf"^{family}, max \|logits - transformers\| = \d\.\de-0[5-9]; n-gram speculation "
+                         r"identical to plain greedy: yes$", text, re.M), text
+    for layout in ("eagle", "speculators"):
+        assert re.search(rf"^{layout}\s+layout: detected as eagle3, .* identical to plain decoding: yes$", text, re.M)
 
 
 def test_structured_output(run_notebook):
