@@ -312,7 +312,13 @@ def _paged_verify_kernel(
     t_last = jnp.minimum(lax.div(q_block * block_q + block_q - 1, jnp.int32(group)), q_len - 1)
     key_end = jnp.minimum(jnp.minimum(key_start + per_split, live), kv_len - q_len + t_last + 1)
     key_end = jnp.where(t_first < q_len, key_end, key_start)
-    num_steps = lax.div(jnp.maximum(key_end - key_start, 0) + (block_k - 1), jnp.int32(block_k))
+    # A local layer's rows see nothing before the window of the block's first row: the page loop
+    # starts there (a split wholly below it runs no step and stores m = -inf, which the merge
+    # weighs as zero).
+    key_begin = key_start
+    if sliding_window is not None:
+        key_begin = jnp.maximum(key_start, kv_len - q_len + t_first - sliding_window + 1)
+    num_steps = lax.div(jnp.maximum(key_end - key_begin, 0) + (block_k - 1), jnp.int32(block_k))
 
     d = _iota(dp)[None, :]  # [1, Dp]
     d_ok = d < head_dim if dp != head_dim else None  # padding lanes of a head_dim like 80
@@ -322,7 +328,7 @@ def _paged_verify_kernel(
         return jnp.broadcast_to(mask, (rows_ok.shape[0], dp))
 
     def page_ids(step):  # [block_k] page id of each key of loop step `step` (0 where masked)
-        k_pos = key_start + step * block_k + _iota(block_k)
+        k_pos = key_begin + step * block_k + _iota(block_k)
         slot = lax.div(k_pos, jnp.int32(page_size))
         return plgpu.load(table_ref.at[slot], mask=k_pos < key_end, other=0)
 
@@ -333,7 +339,7 @@ def _paged_verify_kernel(
         def step(i, carry):
             o, m, l, pages = carry
             next_pages = page_ids(i + 1)  # prefetch: consumed by the next step
-            k_pos = key_start + i * block_k + _iota(block_k)
+            k_pos = key_begin + i * block_k + _iota(block_k)
             k_ok = k_pos < key_end
             offset = lax.rem(k_pos, jnp.int32(page_size))
             idx = (pages[:, None], offset[:, None], d)  # -> [block_k, Dp]

@@ -86,6 +86,9 @@ CASES = {
     "sliding_window_splits_soft_cap": Case(5, 2, 64, 16, (40, 100, 5), max_pages=10, garbage="mixed",
                                            sliding_window=33, soft_cap=4.0, sm_scale=0.2,
                                            tiles=(("block_k", 16), ("num_splits", 4))),
+    # several q blocks: each block's page loop starts at the window of its own first row
+    "sliding_window_3_q_blocks": Case(5, 8, 64, 16, (70, 21), q_lens=(5, 4), sliding_window=3,
+                                      tiles=(("block_q", 16), ("block_k", 16))),
     "bf16_q_over_f32_cache": Case(5, 3, 64, 16, (9, 60), dtype=jnp.bfloat16,
                                   cache_dtype=jnp.float32),
     # a float32 model over 16-bit pages (EngineConfig.kv_cache_dtype)
