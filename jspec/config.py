@@ -29,7 +29,7 @@ LAYER_TYPES = ("full", "sliding")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 31  # drafted nodes of a token tree: with its root, one bit per row of an int32 mask
 DEFAULT_TREE_WIDTH = 4  # each expansion's best tokens when a tree budget names no width
-TREE_METHODS = ("eagle", "hybrid")  # drafters that propose token trees
+TREE_METHODS = ("eagle", "hybrid", "ngram")  # drafters that propose token trees
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
@@ -475,9 +475,10 @@ class SpecConfig:
     # float32. "auto": "q8_0" for the drafters jspec loads from a checkpoint (draft, eagle,
     # hybrid), None for drafter parameters passed to the engine as they are.
     draft_quantization: Optional[str] = "auto"
-    # a token tree instead of a chain (eagle): up to tree_nodes drafted nodes per verification,
-    # num_speculative_tokens deep at most, each expansion keeping its tree_width best tokens
-    # (jspec.speculative.tree; EAGLE-2's dynamic tree). 0: a chain of num_speculative_tokens
+    # a token tree instead of a chain: up to tree_nodes drafted nodes per verification,
+    # num_speculative_tokens deep at most; an EAGLE head's expansions keep their tree_width best
+    # tokens (jspec.speculative.tree; EAGLE-2's dynamic tree), n-gram lookup merges tree_width
+    # matches' continuations into a trie. 0: a chain of num_speculative_tokens
     tree_nodes: int = 0
     tree_width: int = 0
 
@@ -524,6 +525,8 @@ class SpecConfig:
                 raise ConfigError(f"tree max_width must be in [1, max_nodes = {self.tree_nodes}], got {self.tree_width}")
             if self.head_tokens is not None:
                 raise ConfigError("head_tokens caps a chain; a token tree's budget is max_nodes")
+            if self.method == "ngram" and self.ngram_history:
+                raise ConfigError("an n-gram token tree searches the request's own text: drop ngram_history")
 
     @property
     def drafts_per_step(self) -> int:

@@ -29,7 +29,11 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
     """(drafter, drafter_params) for ``spec`` and the loaded ``target`` model."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
-        drafter = NgramDrafter(k, spec.ngram_max, spec.ngram_min, spec.ngram_history)
+        if spec.tree:  # a trie of tree_width matches, tree_nodes nodes, k deep
+            drafter = NgramDrafter(spec.tree_nodes, spec.ngram_max, spec.ngram_min, tree_width=spec.tree_width,
+                                   tree_depth=k)
+        else:
+            drafter = NgramDrafter(k, spec.ngram_max, spec.ngram_min, spec.ngram_history)
         return drafter, drafter.init_params()
     if spec.method == "layerskip":
         n = target.config.num_layers
