@@ -271,7 +271,7 @@ class StructuredOutputsParams:
     order is the order the output writes them), so the parameters stay hashable and equal
     schemas share one compiled grammar. The values are checked for their types here;
     whether they compile (a valid schema, regex or grammar) is checked against the model's
-    tokenizer when a request is queued (:mod:`jspec.structured`), before anything runs.
+    tokenizer when a request is queued (:mod:`jspec.sampling.structured`), before anything runs.
     """
 
     json: Optional[object] = None
@@ -355,7 +355,7 @@ class SamplingParams:
     - ``num_speculative_tokens``: this request's cap on drafts per step (0: no speculation;
       None: the engine's setting). A jspec extension;
     - ``structured_outputs``: a :class:`StructuredOutputsParams` (or a dict of its fields): the
-      output follows a JSON schema, a regex, a choice or a grammar (:mod:`jspec.structured`).
+      output follows a JSON schema, a regex, a choice or a grammar (:mod:`jspec.sampling.structured`).
 
     The checks are those of the values the device computes with: temperature and top-p travel as
     float32, top-k and token counts as int32, the seed as the two uint32 words of a threefry key.

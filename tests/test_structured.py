@@ -19,7 +19,7 @@ from jspec.speculative.drafters import DraftModelDrafter, NgramDrafter
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 from jspec.engine.generate import release_engine
-from jspec.structured import GrammarCompiler
+from jspec.sampling.structured import GrammarCompiler
 
 from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
                      tiny_model)

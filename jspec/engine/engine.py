@@ -67,7 +67,7 @@ from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter, on_path
 from jspec.speculative.steps import PlainStep, SpecStep
-from jspec.structured import NO_CONSTRAINT, ConstraintTable, GrammarCompiler
+from jspec.sampling.structured import NO_CONSTRAINT, ConstraintTable, GrammarCompiler
 from jspec.timing import compile_seconds
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ class LLMEngine:
 
     def _step(self, k: int):
         """The step at ``k``; while a constrained request holds a slot, its constrained twin
-        (masks from the host each step: see jspec.structured), compiled when first needed."""
+        (masks from the host each step: see jspec.sampling.structured), compiled when first needed."""
         if not any(r is not None and r.constraint != NO_CONSTRAINT for r in self.scheduler.slots):
             return self._steps[k]
         if k not in self._constrained_steps:

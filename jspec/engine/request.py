@@ -131,7 +131,7 @@ class Request:
     # steps that ran at a k >= 1 (could have had a proposal): the denominator of the proposal share
     # the engine's pooled prior learns (steps at k = 0 say nothing about it)
     spec_steps: int = 0
-    constraint: int = -1  # its structured-output handle (jspec.structured), -1 for none
+    constraint: int = -1  # its structured-output handle (jspec.sampling.structured), -1 for none
 
     @property
     def all_ids(self) -> list[int]:

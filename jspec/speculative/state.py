@@ -43,7 +43,7 @@ class DecodeState:
     accepted: jax.Array  # int32 [B, K]: accepted[b, j] = steps where draft j + 1 was accepted
     proposed: jax.Array  # int32 [B, K]: proposed[b, j] = steps where draft j + 1 was proposed
     steps: jax.Array  # int32 []: loop iterations since the state was created
-    # int32 [B]: the slot's structured-output handle (jspec.structured; -1: none), or None for
+    # int32 [B]: the slot's structured-output handle (jspec.sampling.structured; -1: none), or None for
     # a state whose steps never constrain
     constraint: Any = None
 

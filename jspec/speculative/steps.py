@@ -98,7 +98,7 @@ class PlainStep:
     attention: str
     drafter: Any = None
     path: ModelPath = PLAIN
-    constraint: Any = None  # a jspec.structured.ConstraintTable: masks from the host each step
+    constraint: Any = None  # a jspec.sampling.structured.ConstraintTable: masks from the host each step
 
     @property
     def k(self) -> int:
@@ -141,7 +141,7 @@ class SpecStep:
     attention: str
     drafter: Any  # a hashable drafter (see jspec.speculative.drafters.base)
     path: ModelPath = PLAIN
-    # a jspec.structured.ConstraintTable: each step, after drafting, the host gives every slot
+    # a jspec.sampling.structured.ConstraintTable: each step, after drafting, the host gives every slot
     # the masks of its verified rows and cuts its drafts where the grammar refuses one
     constraint: Any = None
 
