@@ -55,15 +55,7 @@ class Attention(llama.Attention):
     and RoPE frequencies."""
 
     layer: int = 0
-
-    def setup(self):
-        cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
-        self.qkv_proj = self.linear_cls(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = self.linear_cls(cfg.hidden_size, dtype=dtype)
-        if cfg.qk_norm:
-            self.q_norm = GemmaRMSNorm(cfg.rms_norm_eps, dtype)
-            self.k_norm = GemmaRMSNorm(cfg.rms_norm_eps, dtype)
+    norm_cls = GemmaRMSNorm
 
     def options(self) -> dict:
         """The attention contract's options of this layer."""

@@ -318,6 +318,7 @@ class Attention(nn.Module):
     config: ModelConfig
     attention: str = "reference"
     linear_cls = Linear  # the projections' module
+    norm_cls = RMSNorm  # the q/k norms' module (Qwen3; Gemma 3 its own)
 
     def setup(self):
         cfg = self.config
@@ -326,8 +327,8 @@ class Attention(nn.Module):
         self.qkv_proj = self.linear_cls(cfg.q_size + 2 * cfg.kv_size, use_bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = self.linear_cls(cfg.hidden_size, dtype=dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.rms_norm_eps, dtype)
+            self.q_norm = self.norm_cls(cfg.rms_norm_eps, dtype)
+            self.k_norm = self.norm_cls(cfg.rms_norm_eps, dtype)
 
     @property
     def qk_norms(self):
