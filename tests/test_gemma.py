@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import pytest
 
 import jspec
@@ -155,3 +156,86 @@ def test_a_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, prefi
     assert dataclasses.replace(both.config, eos_token_ids=text.config.eos_token_ids) == text.config
     for a, b in zip(jax.tree_util.tree_leaves(text.params), jax.tree_util.tree_leaves(both.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _write_gemma_gguf(path, hf_dir, arch: str):
+    """The tensors and metadata of a tiny transformers Gemma checkpoint as llama.cpp's converter
+    writes them (``convert_hf_to_gguf.py``'s Gemma2Model / Gemma3Model): its tensor names (the
+    ``gguf`` package's map), every norm weight plus one, no Q/K permutation, the caps, the window
+    and Gemma 3's linear RoPE scaling as metadata."""
+    import gguf
+    import numpy as np
+
+    from jspec.loading.hf import SafetensorsDir, load_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    src = SafetensorsDir(hf_dir)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if arch == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
+                                     cfg.num_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_sliding_window(cfg.sliding_window)
+    if cfg.attn_logit_softcap:
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcap)
+    if cfg.final_logit_softcap:
+        w.add_final_logit_softcapping(cfg.final_logit_softcap)
+    if cfg.rope_linear_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_linear_factor)
+    w.add_eos_token_id(1)
+    for name in sorted(src.keys()):
+        x = np.asarray(src.get(name), np.float32)
+        if name.endswith("norm.weight"):
+            x = x + 1
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_a_gemma_gguf_file_gives_transformers_logits(tmp_path, arch):
+    """A Gemma GGUF (the converter's layout, llama.cpp's fixed layer pattern, local RoPE base and
+    score scale): the same config as the Hugging Face directory it came from, and logits within
+    1e-4 of transformers' own."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jspec.cache import init_cache
+    from jspec.models.llama import forward
+
+    kw = dict(head_dim=16, num_hidden_layers=7 if arch == "gemma3_text" else 3, sliding_window=4,
+              query_pre_attn_scalar=16)  # llama.cpp's scale below 27B: head_dim
+    if arch == "gemma2":
+        kw.update(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    else:
+        kw.update(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    src = write_hf_checkpoint(tmp_path / "hf", arch, tokenizer=False, tie_word_embeddings=True, **kw)
+    path = _write_gemma_gguf(tmp_path / "model.gguf", src, "gemma2" if arch == "gemma2" else "gemma3")
+    model = jspec.load_model(str(path), tokenizer=False)
+    hf_cfg = jspec.load_model(str(src), tokenizer=False).config
+    # (GGUF keeps eps as a float32; the file names no bos token here)
+    assert model.config == dataclasses.replace(hf_cfg, bos_token_id=None, rms_norm_eps=model.config.rms_norm_eps)
+    assert model.config.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
+    ids = [int(x) for x in np.random.default_rng(0).integers(2, 300, 19)]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(src)).eval()(torch.tensor([ids])).logits[0].numpy()
+    c = model.config
+    cache = init_cache(c.num_layers, c.num_kv_heads, c.head_dim, jnp.arange(2, dtype=jnp.int32)[None], 2, 16)
+    got = forward(model.params, c, jnp.asarray([ids], jnp.int32), cache, jnp.asarray([len(ids)], jnp.int32),
+                  attention="reference").logits[0]
+    assert np.abs(np.asarray(got) - want).max() <= 1e-4

@@ -4,6 +4,15 @@ Dequantization uses the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0
 and more). llama.cpp's converter permutes the rows of the Q and K projections of ``llama``
 models so that RoPE rotates interleaved pairs; jspec (like Hugging Face) rotates halves, so the
 permutation is undone here.
+
+Gemma 2 and Gemma 3 files (``gemma2``, ``gemma3``) follow llama.cpp's converter
+(``convert_hf_to_gguf.py``) and its loader: the converter stores every RMSNorm weight plus one (llama.cpp
+multiplies by the weight, Gemma by 1 + weight), so one is taken off here; ``ffn_norm`` is the norm
+before the MLP and ``post_attention_norm`` / ``post_ffw_norm`` the ones after; the layer pattern
+(Gemma 2 every other layer local, layer 0 first; Gemma 3 five local then one global), the local
+layers' RoPE base (Gemma 3: 10,000) and the score scale (query_pre_attn_scalar: hidden / heads for
+the 27B models, 46 and 62 layers, else head_dim) are not in the file: llama.cpp fixes them per
+architecture and size, and so does jspec.
 """
 
 from __future__ import annotations
@@ -36,16 +45,23 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms per layer
+_GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                            "post_attention_norm.weight": "post_attention_layernorm.weight",
+                                            "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+GEMMA_ARCHS = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF architecture -> jspec's
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B for each
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in GEMMA_ARCHS else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}"
     return None
 
 
@@ -83,21 +99,21 @@ class GGUFFile:
             self._buf = np.memmap(path, np.uint8, mode="r")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
-        self.tensors = {}  # GGUF name -> _Tensor
-        self._by_hf: dict[str, str] = {}  # Hugging Face name -> GGUF name
-        for t in map(self._tensor, self.header.tensors):
-            hf = hf_name(t.name)
-            if hf is not None and hf in self._by_hf:
-                raise CheckpointError(f"{path}: tensors {self._by_hf[hf]} and {t.name} are the same tensor")
-            self.tensors[t.name] = t
-            if hf is not None:
-                self._by_hf[hf] = t.name
         arch = schema.check({"general.architecture": self.field("general.architecture")},
                             (schema.Field("general.architecture", "str", required=True),), str(path))
         self.arch = arch["general.architecture"]
         if self.arch not in schema.GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {self.arch!r} "
-                                        "(jspec reads llama, qwen2, qwen3 and mistral GGUF files)")
+                                        f"(jspec reads {', '.join(schema.GGUF_ARCHITECTURES)} GGUF files)")
+        self.tensors = {}  # GGUF name -> _Tensor
+        self._by_hf: dict[str, str] = {}  # Hugging Face name -> GGUF name
+        for t in map(self._tensor, self.header.tensors):
+            hf = hf_name(t.name, self.arch)
+            if hf is not None and hf in self._by_hf:
+                raise CheckpointError(f"{path}: tensors {self._by_hf[hf]} and {t.name} are the same tensor")
+            self.tensors[t.name] = t
+            if hf is not None:
+                self._by_hf[hf] = t.name
 
     def _tensor(self, info) -> "_Tensor":
         """A tensor entry with its data as ``gguf.GGUFReader`` shapes it (a view of the mapped
@@ -155,13 +171,36 @@ class GGUFFile:
                 tie_word_embeddings="output.weight" not in self.tensors,
                 qkv_bias="blk.0.attn_q.bias" in self.tensors,
                 qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-                architecture="llama" if self.arch == "mistral" else self.arch,
+                architecture="llama" if self.arch == "mistral" else GEMMA_ARCHS.get(self.arch, self.arch),
                 bos_token_id=m["tokenizer.ggml.bos_token_id"],
                 eos_token_ids=() if eos is None else (eos,),
                 dtype=dtype,
+                **(self._gemma_fields(m, sizes) if self.arch in GEMMA_ARCHS else {}),
             )
         except ConfigError as e:
             raise CheckpointError(f"{self.path}: {e}") from None
+
+    def _gemma_fields(self, m: dict, sizes: dict) -> dict:
+        """ModelConfig's Gemma fields from the file, and what llama.cpp fixes (module docstring)."""
+        a, n = f"{self.arch}.", m[f"{self.arch}.block_count"]
+        window = m[a + "attention.sliding_window"]
+        if window is None:
+            raise CheckpointError(f"{self.path}: missing field {a}attention.sliding_window")
+        if self.arch == "gemma2":
+            types = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+        else:
+            types = tuple("full" if i % 6 == 5 else "sliding" for i in range(n))
+        big = n == _GEMMA_27B_LAYERS[self.arch]
+        linear = m[a + "rope.scaling.type"] == "linear"
+        if linear and m[a + "rope.scaling.factor"] is None:
+            raise CheckpointError(f"{self.path}: missing field {a}rope.scaling.factor (linear RoPE scaling)")
+        return dict(hidden_act="gelu_tanh", layer_types=types, sliding_window=window,
+                    local_rope_theta=10000.0 if self.arch == "gemma3" else None,
+                    rope_linear_factor=m[a + "rope.scaling.factor"] if linear else None,
+                    query_pre_attn_scalar=float(m[a + "embedding_length"] // sizes["num_heads"] if big
+                                                else sizes["head_dim"]),
+                    attn_logit_softcap=m[a + "attn_logit_softcapping"],
+                    final_logit_softcap=m[a + "final_logit_softcapping"])
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the model tensors under Hugging Face names, from the header (no data read)."""
@@ -191,6 +230,8 @@ class GGUFFile:
             if name is None:
                 return None
             w = self._dequantize(name)
+            if self.arch in GEMMA_ARCHS and hf.endswith("norm.weight"):
+                return w - np.float32(1)  # the converter's weight + 1, back to Gemma's offset
             if self.arch in ("llama", "mistral"):
                 if hf.endswith("q_proj.weight"):
                     w = unpermute_qk(w, config.num_heads)

@@ -16,7 +16,7 @@ Tables:
     HF_ROPE_LLAMA3     its ``rope_scaling`` block when ``rope_type`` is ``llama3``
     GENERATION_CONFIG  ``generation_config.json`` (only the fields jspec reads)
     SAFETENSORS_INDEX  ``model.safetensors.index.json``
-    gguf_fields(arch)  GGUF metadata of a llama/qwen2/mistral file
+    gguf_fields(arch)  GGUF metadata of a llama/qwen2/qwen3/mistral/gemma2/gemma3 file
     DRAFT_CARD         a jspec draft's ``card.json`` (and DRAFT_CARD_TARGET, DRAFT_CARD_VOCAB)
 """
 
@@ -274,7 +274,7 @@ def hf_rope(c: dict, source: str) -> Optional[dict]:
 
 # ----------------------------------------------------------------------------- GGUF
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 
 def gguf_fields(arch: str) -> tuple[Field, ...]:
@@ -290,7 +290,11 @@ def gguf_fields(arch: str) -> tuple[Field, ...]:
         _size(a + "attention.value_length"),
         _positive(a + "attention.layer_norm_rms_epsilon", hi=1.0, default=1e-5),
         _positive(a + "rope.freq_base", default=10000.0),
-        Field(a + "rope.scaling.type", "str", choices=("none",)),
+        Field(a + "rope.scaling.type", "str", choices=("none", "linear") if arch == "gemma3" else ("none",)),
+        _positive(a + "rope.scaling.factor"),
+        _size(a + "attention.sliding_window"),
+        _positive(a + "attn_logit_softcapping"),
+        _positive(a + "final_logit_softcapping"),
         _size(a + "context_length", default=2048),
         _size(a + "vocab_size"),
         _size("tokenizer.ggml.bos_token_id", lo=0),
