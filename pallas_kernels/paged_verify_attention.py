@@ -303,11 +303,11 @@ def _paged_verify_kernel(
     valid = t < q_len
     q_pos = jnp.where(valid, kv_len - q_len + t, -1)  # [block_q]
 
-    # This program's keys: its split of the sequence's live keys, cut at the last position any
-    # of its rows can see (and empty when none of its rows is valid).
-    live = jnp.where(q_len > 0, kv_len, 0)
-    per_split = tuning.keys_per_split(live, num_splits, block_k, min_keys_per_split)
-    key_start = split * per_split
+    # This program's keys: its split of the sequence's live keys (from the first one a row can
+    # see: all of them, or a local layer's window), cut at the last position any of its rows can
+    # see (and empty when none of its rows is valid).
+    first, live, per_split = _split_keys(kv_len, q_len, num_splits, block_k, min_keys_per_split, sliding_window)
+    key_start = first + split * per_split
     t_first = lax.div(q_block * block_q, jnp.int32(group))
     t_last = jnp.minimum(lax.div(q_block * block_q + block_q - 1, jnp.int32(group)), q_len - 1)
     key_end = jnp.minimum(jnp.minimum(key_start + per_split, live), kv_len - q_len + t_last + 1)
@@ -391,16 +391,29 @@ def _paged_verify_kernel(
         pl.when(key_end > key_start)(attend)  # a split with no live keys writes nothing
 
 
-def _merge_splits(o, m, l, kv_lens, q_lens, plan: tuning.TilePlan):
+def _split_keys(kv_len, q_len, num_splits: int, block_k: int, min_keys_per_split: int,
+                sliding_window: Optional[int]):
+    """(first key, live end, keys per split) of a sequence (scalars or arrays [B]): the splits
+    share the keys from the first one its first row can see (0, or with a sliding window the
+    start of that row's window) to ``kv_len`` (0 when ``q_len`` is 0), so a local layer's splits
+    divide its window, not the whole context."""
+    live = jnp.where(q_len > 0, kv_len, 0)
+    first = jnp.zeros_like(live)
+    if sliding_window is not None:
+        first = jnp.clip(kv_len - q_len - sliding_window + 1, 0, live)
+    return first, live, tuning.keys_per_split(live - first, num_splits, block_k, min_keys_per_split)
+
+
+def _merge_splits(o, m, l, kv_lens, q_lens, plan: tuning.TilePlan, sliding_window: Optional[int] = None):
     """Combine the split partials o f32 [S, B, T, Hq, D], m, l f32 [S, B, T, Hq] (base-2 max)
     into [B, T, Hq, D]. Only (split, row) pairs the kernel wrote are read: valid rows whose
     position reaches the split's first key; every other slot may hold anything."""
     num_splits, _, t, _, _ = o.shape
-    live = jnp.where(q_lens > 0, kv_lens, 0)
-    per_split = tuning.keys_per_split(live, num_splits, plan.block_k, plan.min_keys_per_split)
+    first, _, per_split = _split_keys(kv_lens, q_lens, num_splits, plan.block_k, plan.min_keys_per_split,
+                                      sliding_window)
     rows = jnp.arange(t, dtype=jnp.int32)
     pos = kv_lens[:, None] - q_lens[:, None] + rows[None, :]  # [B, T]
-    first_key = jnp.arange(num_splits, dtype=jnp.int32)[:, None, None] * per_split[None, :, None]
+    first_key = first[None, :, None] + jnp.arange(num_splits, dtype=jnp.int32)[:, None, None] * per_split[None, :, None]
     seen = (rows[None, None, :] < q_lens[None, :, None]) & (first_key <= pos[None])  # [S, B, T]
     seen = seen[..., None]  # [S, B, T, 1]
     m = jnp.where(seen, m, -jnp.inf)
@@ -556,4 +569,4 @@ def _paged_verify_attention(
     if ns == 1:
         return result
     with jax.named_scope("paged_verify_attention_merge"):
-        return _merge_splits(*result, kv_lens, q_lens, plan).astype(q.dtype)
+        return _merge_splits(*result, kv_lens, q_lens, plan, sliding_window).astype(q.dtype)

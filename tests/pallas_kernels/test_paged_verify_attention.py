@@ -89,6 +89,10 @@ CASES = {
     # several q blocks: each block's page loop starts at the window of its own first row
     "sliding_window_3_q_blocks": Case(5, 8, 64, 16, (70, 21), q_lens=(5, 4), sliding_window=3,
                                       tiles=(("block_q", 16), ("block_k", 16))),
+    # a window far shorter than the context: the splits share the window's keys
+    "sliding_window_long_context_splits": Case(5, 2, 64, 16, (300, 41, 5), q_lens=(5, 3, 5), max_pages=24,
+                                               garbage="mixed", sliding_window=20,
+                                               tiles=(("block_k", 16), ("num_splits", 4))),
     "bf16_q_over_f32_cache": Case(5, 3, 64, 16, (9, 60), dtype=jnp.bfloat16,
                                   cache_dtype=jnp.float32),
     # a float32 model over 16-bit pages (EngineConfig.kv_cache_dtype)
@@ -131,6 +135,17 @@ def test_t17_g8_is_one_row_block_on_every_gpu():
         assert (plan.num_q_blocks, plan.block_q) == (1, 256), entry.name
     kernel_args, _ = make_inputs(CASES["t17_g8_d64_bf16_one_row_block"])
     assert plan_for(kernel_args[0], kernel_args[1], kernel_args[3]).num_q_blocks == 1
+
+
+def test_a_local_layers_splits_divide_its_window():
+    """At 300 keys and a 20-key window, 4 splits of 16-key steps: without a window each split
+    takes 80 keys (one of them holds the whole window); with it the splits start at the window
+    (276: the first key the first of 5 rows sees) and take 16 each."""
+    from pallas_kernels.paged_verify_attention import _split_keys
+
+    assert [int(x) for x in _split_keys(jnp.int32(300), jnp.int32(5), 4, 16, 16, None)] == [0, 300, 80]
+    assert [int(x) for x in _split_keys(jnp.int32(300), jnp.int32(5), 4, 16, 16, 20)] == [276, 300, 16]
+    assert [int(x) for x in _split_keys(jnp.int32(300), jnp.int32(0), 4, 16, 16, 20)] == [0, 0, 16]
 
 
 def test_split_count_and_block_k_do_not_change_the_result():
