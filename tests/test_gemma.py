@@ -45,6 +45,15 @@ def test_ngram_and_draft_model_speculation_equal_plain_greedy(gemma, attention):
     assert out.token_ids == plain and out.proposed_counts[0] > 0
 
 
+def test_layer_skip_over_gemma_layers(gemma):
+    """The target's first layer (local, with its window and norms) then the final norm, capped
+    head: drafts accepted, output the target's."""
+    model, plain = gemma
+    out = jspec.generate(model, PROMPTS, GREEDY, attention="reference",
+                         spec=SpecConfig("layerskip", 2, layerskip_layers=1))
+    assert out.token_ids == plain and out.accepted_counts[0] > 0
+
+
 def test_a_llama_draft_for_a_gemma_target(gemma):
     model, plain = gemma
     draft = tiny_model(tiny_config(num_layers=1), seed=3, scale=4.0)
