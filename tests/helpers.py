@@ -82,6 +82,21 @@ def tiny_gemma(arch: str = "gemma2", seed: int = 0, scale: float = 1.0, **kw) ->
     return model
 
 
+def add_gguf_geometry(w, cfg: ModelConfig) -> None:
+    """The geometry fields of ``cfg`` on a ``gguf.GGUFWriter`` (as llama.cpp's converter writes them)."""
+    w.add_block_count(cfg.num_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def hf_config_dict(arch: str = "llama", **kw) -> dict:
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jspec
-from helpers import tiny_config, tiny_gemma, tiny_model, write_hf_checkpoint
+from helpers import add_gguf_geometry, tiny_config, tiny_gemma, tiny_model, write_hf_checkpoint
 from jspec.config import SamplingParams, SpecConfig
 from jspec.errors import ConfigError, UnsupportedModelError
 from jspec.loading.hf import config_from_hf
@@ -182,17 +182,7 @@ def _write_gemma_gguf(path, hf_dir, arch: str):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if arch == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
                                      cfg.num_layers)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_vocab_size(cfg.vocab_size)
+    add_gguf_geometry(w, cfg)
     w.add_sliding_window(cfg.sliding_window)
     if cfg.attn_logit_softcap:
         w.add_attn_logit_softcapping(cfg.attn_logit_softcap)

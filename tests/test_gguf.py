@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jspec
-from helpers import write_hf_checkpoint
+from helpers import add_gguf_geometry, write_hf_checkpoint
 from jspec.loading.gguf_loader import GGUFFile, hf_name
 from jspec.loading.hf import SafetensorsDir
 
@@ -44,17 +44,7 @@ def write_gguf(path, hf_dir, qtype_name="F32", arch="llama", kquant_bytes=None):
     src = SafetensorsDir(hf_dir)
     qtype = gguf.GGMLQuantizationType[qtype_name]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_vocab_size(cfg.vocab_size)
+    add_gguf_geometry(w, cfg)
     w.add_eos_token_id(1)
     expected = {}
     rng = np.random.default_rng(0)
