@@ -26,6 +26,9 @@ order, each starting only while the time budget lasts:
     extra    T = 17 at G = 8 (Hq 64, KVH 8), then SmolLM2-135M heads (9 / 3, D 64)
     trees    token-tree verification (a random tree's ancestor mask): parity at T = 17 and 32,
              then Llama-8B heads at T = 1 (a decode step), 17 and 32 (16- and 31-node trees)
+    local    Gemma's local layers (Gemma-3-27B heads: Hq 32, KVH 16, D 128, window 1,024, score
+             scale 168^-0.5): parity with the reference, then T = 1 and 5 at 32k context, a local
+             layer against a global one (the ratio: what the window saves)
 
 Per timed shape: the plan (block_q, block_k, splits, live programs per SM, warps, stages);
 kernel us (the Pallas kernel alone, from the profiler's device trace); device us (every device
@@ -48,6 +51,7 @@ import os
 import pathlib
 import platform
 import subprocess
+from typing import Optional
 import sys
 import tempfile
 import time
@@ -70,7 +74,7 @@ from pallas_kernels.paged_verify_attention import (  # noqa: E402
 HBM_READ_BPS = 4.8e12  # H200 HBM3e
 L2_BYTES = 50 * 2**20  # H200 L2
 PAGE_SIZE = 16
-SECTIONS = ("parity", "llama", "sweep", "extra", "trees")
+SECTIONS = ("parity", "llama", "sweep", "extra", "trees", "local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,7 @@ LLAMA8B = Heads("llama8b", 32, 8, 128)  # Llama-3-8B
 LLAMA70B = Heads("llama70b", 64, 8, 128)  # Llama-3-70B: G = 8
 SMOLLM2 = Heads("smollm2", 9, 3, 64)  # SmolLM2-135M
 TINY = Heads("tiny", 4, 2, 32)  # smoke mode
+GEMMA27B = Heads("gemma3-27b", 32, 16, 128)  # Gemma-3-27B (query_pre_attn_scalar 168)
 
 
 # ------------------------------------------------------------------------------ output
@@ -336,9 +341,14 @@ TIMING_HEADER = ("| heads | B | T | ctx | block_q | block_k | splits | prog/SM |
 TIMING_RULE = "|" + "---|" * (TIMING_HEADER.count("|") - 1)
 
 
-def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: dict, tree: bool = False) -> None:
+def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: dict, tree: bool = False,
+               options: Optional[dict] = None) -> None:
+    """One timed shape (``options``: the kernel's layer options, such as a local layer's window;
+    its T = 1 row, ``t1_kernel``, is the same layer's)."""
     rep = cx.report
-    what = f"{heads.name} | {batch} | {t}{' tree' if tree else ''} | {ctx}"
+    layer = f" window {options['sliding_window']}" if options and options.get("sliding_window") else ""
+    label = f"{' tree' if tree else ''}{layer}"
+    what = f"{heads.name} | {batch} | {t}{label} | {ctx}"
     if cx.skip(what):
         return
     try:
@@ -356,7 +366,7 @@ def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: d
         io_bytes = kv_bytes + 2 * q.size * itemsize
         iters = 2 if cx.smoke else int(np.clip(0.1 / (io_bytes / 3e12 + 5e-6), 5, 200))
 
-        kern = kernel_fn(cx.interpret)
+        kern = kernel_fn(cx.interpret, **(options or {}))
         if tree:  # the same call with a random tree's mask
             mask = random_tree_mask(batch, t, batch * 31 + t)
             kern = jax.jit(functools.partial(paged_verify_attention, interpret=cx.interpret, tree_mask=mask))
@@ -379,26 +389,28 @@ def time_shape(cx: Ctx, heads: Heads, batch: int, t: int, ctx: int, t1_kernel: d
                 rep.record("trace_events", case=what,
                            events={n: (len(d), float(np.median(d))) for n, d in top})
         try:  # the reference materialises the gathered pages and scores: it may not fit
-            ref = wall_us(jax.jit(paged_verify_attention_reference), sets, iters)
+            ref = wall_us(jax.jit(functools.partial(paged_verify_attention_reference, **(options or {}))), sets,
+                          iters)
         except Exception as e:  # noqa: BLE001
             ref = float("nan")
             rep.error(f"{what} reference", e)
         pct = 100 * io_bytes / (kernel_us * 1e-6) / HBM_READ_BPS  # nan without a trace
-        row = (f"| {heads.name} | {batch} | {t}{' tree' if tree else ''} | {ctx} | {plan.block_q} | {plan.block_k} | "
+        row = (f"| {heads.name} | {batch} | {t}{label} | {ctx} | {plan.block_q} | {plan.block_k} | "
                f"{plan.num_splits} | {per_sm:.2f} | {plan.num_warps} | {plan.num_stages} | "
                f"{kernel_us:.1f} | {device_us:.1f} | {e2e:.1f} | {pct:.0f}% | {ref:.1f} | "
                f"{ref / e2e:.2f}x |")
         rep.line(row)
-        rep.record("timing", heads=heads.name, batch=batch, t=t, tree=tree, ctx=ctx, copies=copies,
+        rep.record("timing", heads=heads.name, batch=batch, t=t, tree=tree, options=options or {}, ctx=ctx,
+                   copies=copies,
                    plan=dataclasses.asdict(plan), programs_per_sm=per_sm, kernel_us=kernel_us,
                    device_us=device_us, e2e_us=e2e, hbm_pct=pct, reference_us=ref,
                    bytes=io_bytes, iters=iters, interpret=cx.interpret)
-        key = (heads.name, batch, ctx)
+        key = (heads.name, batch, ctx, layer)  # a tree's T = 1 row is the same layer's decode step
         if t == 1:
             t1_kernel[key] = (kernel_us, e2e)
         elif key in t1_kernel:
             k1, e1 = t1_kernel[key]
-            rep.line(f"| {heads.name} | {batch} | T={t}{' tree' if tree else ''} / T=1 | {ctx} | "
+            rep.line(f"| {heads.name} | {batch} | T={t}{label} / T=1 | {ctx} | "
                      f"kernel {kernel_us / k1:.2f}x, e2e {e2e / e1:.2f}x |")
             rep.record("t_ratio", heads=heads.name, batch=batch, t=t, tree=tree, ctx=ctx,
                        kernel_ratio=kernel_us / k1, e2e_ratio=e2e / e1)
@@ -530,10 +542,52 @@ def section_trees(cx: Ctx) -> None:
             time_shape(cx, heads, batch, t, ctx, t1, tree=True)
 
 
+def section_local(cx: Ctx) -> None:
+    """Gemma's local layers: the kernel with a sliding window, cap-free, at Gemma-3-27B's score
+    scale, against the reference (poisoned caches), then a local layer's time beside a global
+    one's at 32k context."""
+    rep = cx.report
+    heads = TINY if cx.smoke else GEMMA27B
+    window = 8 if cx.smoke else 1024
+    rep.line(f"\n## Local layers (Gemma): parity with the reference, then a {window}-key window against none\n")
+    rep.line("| case | dtype | max abs err | tolerance | ok |")
+    rep.line("|---|---|---|---|---|")
+    rng = np.random.default_rng(2)
+    local = dict(sliding_window=window, sm_scale=168 ** -0.5)
+    for kv_lens, q_lens, t in (((40, 9, 70), (5, 2, 1), 5),) if cx.smoke else (((3000, 900, 1030), (5, 1, 5), 5),):
+        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
+            what = f"{heads.name} window {window} kv={kv_lens} q={q_lens} | {jnp.dtype(dtype).name}"
+            if cx.skip(what):
+                continue
+            try:
+                kargs, rargs = poisoned_case(rng, heads, kv_lens, q_lens, t, dtype)
+                out = np.asarray(kernel_fn(cx.interpret, **local)(*kargs), np.float32)
+                ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, **local))(*rargs),
+                                 np.float32)
+                report_parity(rep, "window_parity", what, out, ref, tol)
+            except Exception as e:  # noqa: BLE001 -- report, keep going
+                rep.error(what, e)
+    rep.line("")
+    rep.line(TIMING_HEADER)
+    rep.line(TIMING_RULE)
+    t1: dict = {}
+    shapes = [(1, 64)] if cx.smoke else [(1, 32768), (16, 32768)]
+    for batch, ctx in shapes:
+        for options in (None, local):  # a global layer, then a local one
+            for t in ((1,) if cx.smoke else (1, 5)):
+                time_shape(cx, heads, batch, t, ctx, t1, options=options)
+        glob_, loc = t1.get((heads.name, batch, ctx, "")), t1.get((heads.name, batch, ctx, f" window {window}"))
+        if glob_ and loc:
+            rep.line(f"| {heads.name} | {batch} | T=1 window {window} / global | {ctx} | "
+                     f"kernel {loc[0] / glob_[0]:.2f}x, e2e {loc[1] / glob_[1]:.2f}x |")
+            rep.record("window_ratio", heads=heads.name, batch=batch, ctx=ctx, window=window,
+                       kernel_ratio=loc[0] / glob_[0], e2e_ratio=loc[1] / glob_[1])
+
+
 def run_section(name: str, args) -> None:
     cx = Ctx(args)
     {"parity": section_parity, "llama": section_llama, "sweep": section_sweep,
-     "extra": section_extra, "trees": section_trees}[name](cx)
+     "extra": section_extra, "trees": section_trees, "local": section_local}[name](cx)
 
 
 # ------------------------------------------------------------------------------ driver

@@ -25,9 +25,12 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     assert not kinds["error"] and not kinds["section_failed"] and not kinds["skipped"], \
         [r for r in records if r["kind"] in ("error", "section_failed", "skipped")]
     assert kinds["parity"] == 4 and all(r["ok"] for r in records if r["kind"] == "parity")
-    assert kinds["timing"] == 5 and kinds["t_ratio"] == 2 and kinds["sweep"] == 3
+    assert kinds["timing"] == 7 and kinds["t_ratio"] == 2 and kinds["sweep"] == 3
     assert kinds["tree_parity"] == 4 and all(r["ok"] for r in records if r["kind"] == "tree_parity")
     assert any(r.get("tree") for r in records if r["kind"] == "timing")
+    assert kinds["window_parity"] == 2 and all(r["ok"] for r in records if r["kind"] == "window_parity")
+    assert kinds["window_ratio"] == 1 and any(r["options"].get("sliding_window") for r in records
+                                              if r["kind"] == "timing")
     assert kinds["trace_events"] >= 1  # the profiler path ran (no GPU events on the CPU)
     [versions] = [r for r in records if r["kind"] == "versions"]
     assert versions["jax"] and versions["jaxlib"] and versions["tuning entry"] == "default"
@@ -36,5 +39,5 @@ def test_gpu_benchmark_smoke_run(tmp_path):
                for r in timing)
     assert any(r["copies"] > 1 for r in timing)  # the L2-defeating rotation over cache copies
     md = (tmp_path / "gpu_attention.md").read_text()
-    for heading in ("## Parity", "## Timing", "## Sweep", "## Token trees", "Smoke run"):
+    for heading in ("## Parity", "## Timing", "## Sweep", "## Token trees", "## Local layers", "Smoke run"):
         assert heading in md
