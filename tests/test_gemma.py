@@ -98,6 +98,20 @@ def test_older_gemma3_configs_read_as_the_current_layout():
     assert new.tie_word_embeddings and new.qk_norm and new.hidden_act == "gelu_tanh"
 
 
+def test_keys_a_gemma_config_leaves_out_take_transformers_defaults():
+    """A key missing altogether means transformers' class default (Gemma 2's caps 50 and 30, a
+    score scale of 256); null is no value (no cap)."""
+    import transformers
+
+    d = dict(model_type="gemma2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, head_dim=16, sliding_window=8)
+    c = config_from_hf(d)
+    hf = transformers.Gemma2Config(**{k: v for k, v in d.items() if k != "model_type"})
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping)
+    assert c.query_pre_attn_scalar == hf.query_pre_attn_scalar == 256
+    assert config_from_hf(dict(d, attn_logit_softcapping=None)).attn_logit_softcap is None
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(model_type="gemma"), "unsupported architecture 'gemma'"),
     (dict(hidden_activation="relu"), "hidden_activation 'relu'"),

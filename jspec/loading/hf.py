@@ -46,6 +46,9 @@ def config_from_hf(d: Any, source: str = "config.json", dtype: str = "float32",
     dictionary, both checked against their schema first (:mod:`jspec.loading.schema`)."""
     d = text_config(d, source)
     model_type = schema.check(d, schema.HF_MODEL_TYPE, source)["model_type"]
+    defaults = {"gemma2": GEMMA2_DEFAULTS, "gemma3_text": GEMMA3_TEXT_DEFAULTS}.get(model_type)
+    if defaults:  # keys missing altogether take transformers' defaults (null stays null)
+        d = {**defaults, **d}
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported architecture {model_type!r} "
@@ -153,7 +156,13 @@ def gemma_fields(d: dict, c: dict, model_type: str, source: str) -> dict:
 # Where a multimodal checkpoint (Gemma 3's Gemma3ForConditionalGeneration) keeps its language
 # model's "model.*" tensors: the layout of the published files, and transformers' current one.
 LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
-# Gemma3TextConfig's defaults, which a multimodal Gemma 3 config.json's text_config leaves out
+# transformers' Gemma2Config / Gemma3TextConfig defaults: what a Gemma config.json may leave out
+# (a multimodal Gemma 3's text_config leaves out most of them) means these values there
+GEMMA2_DEFAULTS = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, max_position_embeddings=8192,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1)
 GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
                             rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=4096,
@@ -163,14 +172,15 @@ GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_si
 
 def text_config(d: Any, source: str) -> Any:
     """A multimodal Gemma 3 ``config.json`` (model_type gemma3) -> its language model's config
-    (``text_config`` over Gemma3TextConfig's defaults, the top level's token ids kept); any
-    other config as it is. The vision tower is not run: jspec generates from text."""
+    (``text_config``, the top level's token ids kept; :func:`config_from_hf` fills in
+    Gemma3TextConfig's defaults); any other config as it is. The vision tower is not run: jspec
+    generates from text."""
     if not isinstance(d, dict) or d.get("model_type") != "gemma3":
         return d
     text = d.get("text_config")
     if not isinstance(text, dict):
         schema.fail(source, "text_config", "missing (a gemma3 config keeps its language model there)")
-    out = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text"}
+    out = {**text, "model_type": "gemma3_text"}  # config_from_hf fills in the defaults
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if d.get(key) is not None and key not in text:
             out[key] = d[key]
