@@ -508,6 +508,26 @@ def section_extra(cx: Ctx) -> None:
             time_shape(cx, SMOLLM2, batch, t, ctx, t1)
 
 
+def option_parity(cx: Ctx, section: str, label: str, heads: Heads, rng, cases, options_of) -> None:
+    """Parity rows of the kernel with the contract's options (``options_of(kv_lens, t)``: a tree
+    mask, a window) against the reference with the same options, on poisoned caches, for each
+    (kv_lens, q_lens, T) of ``cases`` in float32 and bfloat16."""
+    for kv_lens, q_lens, t in cases:
+        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
+            what = f"{label} kv={kv_lens} q={q_lens} | {jnp.dtype(dtype).name}"
+            if cx.skip(what):
+                continue
+            try:
+                kargs, rargs = poisoned_case(rng, heads, kv_lens, q_lens, t, dtype)
+                options = options_of(kv_lens, t)
+                out = np.asarray(kernel_fn(cx.interpret, **options)(*kargs), np.float32)
+                ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, **options))(*rargs),
+                                 np.float32)
+                report_parity(cx.report, section, what, out, ref, tol)
+            except Exception as e:  # noqa: BLE001 -- report, keep going
+                cx.report.error(what, e)
+
+
 def section_trees(cx: Ctx) -> None:
     """Token-tree verification: the kernel with a tree mask against the reference with it
     (poisoned caches), then its time beside a decode step's (T = 1) at 16 and 31 nodes."""
@@ -517,20 +537,9 @@ def section_trees(cx: Ctx) -> None:
     rep.line("|---|---|---|---|---|")
     rng = np.random.default_rng(1)
     heads = TINY if cx.smoke else LLAMA8B
-    for kv_lens, q_lens, t in (((40, 90), (17, 9), 17), ((700, 33), (32, 20), 32)):
-        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
-            what = f"{heads.name} tree kv={kv_lens} q={q_lens} | {jnp.dtype(dtype).name}"
-            if cx.skip(what):
-                continue
-            try:
-                kargs, rargs = poisoned_case(rng, heads, kv_lens, q_lens, t, dtype)
-                mask = random_tree_mask(len(kv_lens), t, t)
-                out = np.asarray(kernel_fn(cx.interpret, tree_mask=mask)(*kargs), np.float32)
-                ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, tree_mask=mask))(*rargs),
-                                 np.float32)
-                report_parity(rep, "tree_parity", what, out, ref, tol)
-            except Exception as e:  # noqa: BLE001 -- report, keep going
-                rep.error(what, e)
+    option_parity(cx, "tree_parity", f"{heads.name} tree", heads, rng,
+                  (((40, 90), (17, 9), 17), ((700, 33), (32, 20), 32)),
+                  lambda kv_lens, t: dict(tree_mask=random_tree_mask(len(kv_lens), t, t)))
     rep.line("")
     rep.line(TIMING_HEADER)
     rep.line(TIMING_RULE)
@@ -554,19 +563,8 @@ def section_local(cx: Ctx) -> None:
     rep.line("|---|---|---|---|---|")
     rng = np.random.default_rng(2)
     local = dict(sliding_window=window, sm_scale=168 ** -0.5)
-    for kv_lens, q_lens, t in (((40, 9, 70), (5, 2, 1), 5),) if cx.smoke else (((3000, 900, 1030), (5, 1, 5), 5),):
-        for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)):
-            what = f"{heads.name} window {window} kv={kv_lens} q={q_lens} | {jnp.dtype(dtype).name}"
-            if cx.skip(what):
-                continue
-            try:
-                kargs, rargs = poisoned_case(rng, heads, kv_lens, q_lens, t, dtype)
-                out = np.asarray(kernel_fn(cx.interpret, **local)(*kargs), np.float32)
-                ref = np.asarray(jax.jit(functools.partial(paged_verify_attention_reference, **local))(*rargs),
-                                 np.float32)
-                report_parity(rep, "window_parity", what, out, ref, tol)
-            except Exception as e:  # noqa: BLE001 -- report, keep going
-                rep.error(what, e)
+    cases = (((40, 9, 70), (5, 2, 1), 5),) if cx.smoke else (((3000, 900, 1030), (5, 1, 5), 5),)
+    option_parity(cx, "window_parity", f"{heads.name} window {window}", heads, rng, cases, lambda kv_lens, t: local)
     rep.line("")
     rep.line(TIMING_HEADER)
     rep.line(TIMING_RULE)
