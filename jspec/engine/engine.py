@@ -130,14 +130,18 @@ class LLMEngine:
         """How the steps and the drafter run the models, chosen once: on the CPU kernels
         (:mod:`jspec.models.cpu_path`) where the small-row kernel applies (the CPU backend, a float32
         model, the kernel built and tuned for this CPU), the plain modules elsewhere."""
-        cpu = device.platform == "cpu" and cpu_path.small_rows_apply(mc.dtype) and not mc.is_gemma
-        return cpu_path.CPU if cpu else PLAIN  # the CPU kernels fuse Llama's layer, not Gemma's
+        return cpu_path.CPU if LLMEngine._cpu_kernels_apply(mc, device) else PLAIN
+
+    @staticmethod
+    def _cpu_kernels_apply(mc, device) -> bool:
+        """The CPU backend, a model dtype the small-row kernel runs, and Llama's layer (the kernels
+        fuse it; Gemma's layers run on the plain modules)."""
+        return device.platform == "cpu" and not mc.is_gemma and cpu_path.small_rows_apply(mc.dtype)
 
     @staticmethod
     def _small_row_weights(config: EngineConfig, mc, device) -> bool:
         """Whether the target keeps the packed copy for the CPU small-row kernel (see EngineConfig)."""
-        applies = (device.platform == "cpu" and config.tensor_parallel_size == 1 and not mc.is_gemma
-                   and cpu_path.small_rows_apply(mc.dtype))
+        applies = config.tensor_parallel_size == 1 and LLMEngine._cpu_kernels_apply(mc, device)
         if config.small_row_weights and not applies:
             log.warning("small_row_weights: the CPU small-row kernel does not apply here (%s backend, %s, or "
                         "the kernel is not built); the engine runs without the copy", device.platform, mc.dtype)
@@ -151,7 +155,7 @@ class LLMEngine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.spec = model, config, SpecConfig.from_dict(spec)
-        if self.spec.tree and model.config.sliding_window is not None and model.config.layer_types:
+        if self.spec.tree and "sliding" in (model.config.layer_types or ()):
             raise ConfigError(f"{model.config.architecture} has sliding-window layers, which token trees do not "
                               "take (a tree row's position is not its place in the pages): drop the tree budget")
         attention = self._attention()

@@ -58,12 +58,12 @@ class Attention(llama.Attention):
     norm_cls = GemmaRMSNorm
 
     def options(self) -> dict:
-        """The attention contract's options of this layer."""
+        """The attention contract's options this layer sets (none: the plain contract)."""
         cfg = self.config
-        sliding = cfg.layer_type(self.layer) == "sliding"
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        return dict(sliding_window=cfg.sliding_window if sliding else None, soft_cap=cfg.attn_logit_softcap,
-                    sm_scale=None if scalar == cfg.head_dim else scalar ** -0.5)
+        options = dict(sliding_window=cfg.sliding_window if cfg.layer_type(self.layer) == "sliding" else None,
+                       soft_cap=cfg.attn_logit_softcap, sm_scale=None if scalar == cfg.head_dim else scalar ** -0.5)
+        return {k: v for k, v in options.items() if v is not None}
 
     def __call__(self, x, metas, k_pages, v_pages):
         cfg = self.config

@@ -259,10 +259,9 @@ def write_and_attend(cfg: ModelConfig, attention: str, metas, qs, ks, vs, k_page
     [Bs, Ts, heads, D], pages [KVH, P, S, D]); returns (the outputs of every segment's rows
     [M, Hq D], k_pages, v_pages). Under tensor parallelism the writes and attention run per
     device inside ``shard_map`` on the device's heads and its slice of the pages: heads are
-    independent, nothing is gathered. ``options``: the attention contract's layer options
-    (``sliding_window``, ``sm_scale``, ``soft_cap``; None = not set)."""
+    independent, nothing is gathered. ``options``: the attention contract's layer options that
+    are set (``sliding_window``, ``sm_scale``, ``soft_cap``)."""
     attn = attention_lib.get(attention)
-    options = {k: v for k, v in options.items() if v is not None}
     qs, ks, vs = list(qs), list(ks), list(vs)
     tables = [m.block_tables for m in metas]
     starts = [m.start for m in metas]
