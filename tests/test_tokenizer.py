@@ -48,3 +48,33 @@ def test_without_torch_the_loader_takes_the_torch_free_route(gguf, tmp_path, mon
     monkeypatch.setattr(tokenizer, "gguf_tokenizer_without_torch", lambda p: called.append(p) or build(p))
     tok = tokenizer.load_tokenizer("gguf", gguf)
     assert called == [gguf] and tok("def f(x):")["input_ids"]
+
+
+def test_a_cached_tokenizer_reads_back_the_same_without_importing_torch(gguf, tmp_path, monkeypatch):
+    """The second load reads the saved tokenizer.json (a warm start's path): the same ids, chat
+    template and special tokens as the tokenizer built from the metadata, and no PyTorch import
+    (AutoTokenizer's config machinery pulls it in, seconds of every start)."""
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("JSPEC_CACHE_DIR", str(tmp_path))
+    built = tokenizer.load_tokenizer("gguf", gguf)
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    chat = [{"role": "user", "content": "hi"}]
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from jspec.loading import tokenizer\n"
+        f"tok = tokenizer.load_tokenizer('gguf', Path({str(gguf)!r}))\n"
+        f"texts = {TEXTS!r}\n"
+        "print(json.dumps({'ids': [tok(t)['input_ids'] for t in texts],\n"
+        f"  'chat': tok.apply_chat_template({chat!r}, tokenize=False, add_generation_prompt=True),\n"
+        "  'special': [tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token, tok.eos_token_id],\n"
+        "  'torch': 'torch' in sys.modules}))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    read = json.loads(out.stdout.strip().splitlines()[-1])
+    assert read["ids"] == [built(t)["input_ids"] for t in TEXTS]
+    assert read["chat"] == built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert read["special"] == [built.bos_token, built.eos_token, built.unk_token, built.pad_token, built.eos_token_id]
+    assert read["torch"] is False

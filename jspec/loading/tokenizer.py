@@ -39,8 +39,8 @@ def _quiet_auto_tokenizer():
 
 def load_tokenizer(fmt: str, path: Path):
     """The tokenizer of a checkpoint, or None for a Hugging Face directory without one."""
-    AutoTokenizer = _quiet_auto_tokenizer()
     if fmt == "hf":
+        AutoTokenizer = _quiet_auto_tokenizer()
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             return None
         try:
@@ -52,9 +52,10 @@ def load_tokenizer(fmt: str, path: Path):
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _cached_fast_tokenizer(cached)
         except Exception:
             shutil.rmtree(cached, ignore_errors=True)  # stale or broken: rebuild below
+    AutoTokenizer = _quiet_auto_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -72,6 +73,16 @@ def load_tokenizer(fmt: str, path: Path):
     except OSError:
         shutil.rmtree(locals().get("tmp", ""), ignore_errors=True)  # cache is an optimisation only
     return tok
+
+
+def _cached_fast_tokenizer(directory: Path):
+    """A tokenizer this module saved, read as the fast tokenizer it is (a tokenizer.json). Not
+    through AutoTokenizer: its config machinery imports PyTorch where it is installed, ~1.6 s of a
+    warm start's ~10 (measured 2026-12-07), for a class the cache already names."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
 
 
 # GGUF tokenizer.ggml.* ids -> the special-token names transformers' tokenizers take
