@@ -114,6 +114,26 @@ def test_gguf_dequantizes_and_unpermutes(tmp_path, hf_dir, qtype):
         chex.assert_trees_all_equal(ref.params, mine.params)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_dequantization_is_the_gguf_packages_bit_for_bit(qtype, monkeypatch):
+    """jspec's whole-chunk dequantizer against the gguf package's on random blocks (every nibble
+    and int8 value, scales of both signs, a minimum for Q4_1), over several chunks and a short last one."""
+    import gguf
+
+    from jspec.loading import gguf_loader
+
+    monkeypatch.setattr(gguf_loader, "_CHUNK_BLOCKS", 64)
+    rng = np.random.default_rng(0)
+    n, nbytes = 64 * 3 + 5, gguf_loader._BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    blocks[:, :2] = rng.standard_normal(n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    if qtype == "Q4_1":
+        blocks[:, 2:4] = rng.standard_normal(n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    want = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype)).reshape(-1)
+    got = gguf_loader.dequantize_blocks(blocks, qtype)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype,scale_offsets", [("Q4_K", [0, 2]), ("Q6_K", [208])])
 def test_gguf_k_quants(tmp_path, hf_dir, qtype, scale_offsets):
     path = tmp_path / f"tiny-{qtype}.gguf"
