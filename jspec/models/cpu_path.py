@@ -339,13 +339,29 @@ class EagleHead(eagle.EagleHead):
 
 @dataclasses.dataclass(frozen=True)
 class CpuPath(ModelPath):
-    """The models on the CPU kernels (see the module docstring)."""
+    """The models on the CPU kernels (see the module docstring). The engine picks this path for
+    a CPU backend only, so its calls trace the kernels' CPU branch alone
+    (``pallas_kernels.cpu.build.tracing_for_cpu``: no plain-XLA twin of the model is traced
+    beside it); a program traced through it lowers for the CPU only."""
 
     causal_lm: ClassVar[type] = LlamaForCausalLM
     eagle_head: ClassVar[type] = EagleHead
 
+    def forward(self, *args, **options) -> llama.ForwardOutput:
+        with cpu_kernels.tracing_for_cpu():
+            return super().forward(*args, **options)
+
+    def forward_segments(self, *args, **options):
+        with cpu_kernels.tracing_for_cpu():
+            return super().forward_segments(*args, **options)
+
+    def eagle_forward(self, *args, **options) -> eagle.HeadOutput:
+        with cpu_kernels.tracing_for_cpu():
+            return super().eagle_forward(*args, **options)
+
     def times_rows(self, x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = None) -> jax.Array:
-        return times_rows(x, rows, quantized)
+        with cpu_kernels.tracing_for_cpu():
+            return times_rows(x, rows, quantized)
 
 
 CPU = CpuPath()

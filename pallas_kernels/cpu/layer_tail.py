@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import available
+from pallas_kernels.cpu.build import available, on_cpu
 from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference, write_kv)
 from pallas_kernels.cpu.small_rows import (LANES, PACK_ROWS, check_small_rows_args, fused_small_rows_reference, packed_dims,
@@ -132,7 +132,7 @@ def _kernel_or_reference(kernel, reference, n: int, ints: tuple[int, ...]):
     @functools.partial(jax.custom_vjp, nondiff_argnums=(n,))
     def call(*args):
         *arrays, eps = args
-        return jax.lax.platform_dependent(*arrays, cpu=functools.partial(kernel, eps=eps),
+        return on_cpu(*arrays, cpu=functools.partial(kernel, eps=eps),
                                           default=functools.partial(reference, eps=eps))
 
     def fwd(*args):
@@ -167,7 +167,7 @@ def _rope_kernel(x3, c2, s2):
 
 @jax.custom_vjp
 def _rope(x3, c2, s2):
-    return jax.lax.platform_dependent(x3, c2, s2, cpu=_rope_kernel, default=rotate_reference)
+    return on_cpu(x3, c2, s2, cpu=_rope_kernel, default=rotate_reference)
 
 
 def _rope_fwd(x3, c2, s2):

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu.build import available
+from pallas_kernels.cpu.build import available, on_cpu
 from pallas_kernels.paged_verify_attention import (PAGE_DTYPES, check_paged_verify_args,
                                                    paged_verify_attention_reference)
 
@@ -59,5 +59,5 @@ def paged_attention_cpu(
         q_lens = jnp.full(kv_lens.shape, q.shape[1], jnp.int32)
     if not applies(q, k_pages):
         return fallback(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
-    return jax.lax.platform_dependent(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
+    return on_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
                                       cpu=_kernel, default=fallback)

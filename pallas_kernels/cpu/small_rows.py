@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import available
+from pallas_kernels.cpu.build import available, on_cpu
 
 TARGET = "jspec_small_rows"
 FUSED_TARGET = "jspec_small_rows_fused"
@@ -275,7 +275,7 @@ def _reference(x2, w):
 
 @jax.custom_vjp
 def _product(x2, w):
-    return jax.lax.platform_dependent(x2, w, cpu=_kernel, default=_reference)
+    return on_cpu(x2, w, cpu=_kernel, default=_reference)
 
 
 def _product_fwd(x2, w):
@@ -332,7 +332,7 @@ def row_argmax(x: jax.Array) -> jax.Array:
     if x.dtype != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0 or not available():
         return row_argmax_reference(x)
     x2 = x.reshape(-1, x.shape[-1])
-    y = jax.lax.platform_dependent(x2, cpu=_argmax_kernel, default=row_argmax_reference)
+    y = on_cpu(x2, cpu=_argmax_kernel, default=row_argmax_reference)
     return y.reshape(x.shape[:-1])
 
 
@@ -383,7 +383,7 @@ def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fused(x2, w, g, r, eps, norm, add):
-    return jax.lax.platform_dependent(x2, w, g, r, cpu=functools.partial(_fused_kernel, eps=eps),
+    return on_cpu(x2, w, g, r, cpu=functools.partial(_fused_kernel, eps=eps),
                                       default=functools.partial(_fused_reference, eps=eps, norm=norm, add=add))
 
 

@@ -54,6 +54,27 @@ def test_kernel_runs_in_the_compiled_cpu_program_and_not_on_gpus():
 
 
 @needs_kernel
+def test_tracing_for_cpu_traces_the_kernel_alone_with_the_same_result():
+    """Inside tracing_for_cpu no platform choice (and no reference) is traced: the jaxpr holds the
+    FFI call and no platform_index, the compiled result is the same bits, and the program holds
+    the CPU op whatever it is lowered for. Outside, both branches are traced as before."""
+    x, w = _operands(5, 64, 32)
+    outside = str(jax.make_jaxpr(small_rows_matmul)(x, w))
+    assert "platform_index" in outside and "dot_general" in outside
+
+    def for_cpu(x, w):
+        with cpu_kernels.tracing_for_cpu():
+            return small_rows_matmul(x, w)
+
+    inside = str(jax.make_jaxpr(for_cpu)(x, w))
+    assert "platform_index" not in inside and "dot_general" not in inside and "ffi_call" in inside
+    np.testing.assert_array_equal(jax.jit(for_cpu)(x, w), jax.jit(small_rows_matmul)(x, w))
+    cuda = jax.jit(for_cpu).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jspec_small_rows" in cuda and "dot_general" not in cuda  # the CPU op, for the CPU only
+    assert "platform_index" in str(jax.make_jaxpr(small_rows_matmul)(x, w))  # the context ended
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     """Each output is summed in one order whatever the tile holds: a decode step's row (alone)
     and the same row inside a verification step's rows give the same bits, as greedy
