@@ -74,3 +74,28 @@ def test_bad_prompts_file_lines_exit_2(model_dir, tmp_path):
         f.write_text(text)
         code, out, err = _cli("generate", "--prompts-file", str(f), "--model", model_dir)
         assert code == 2 and out == "" and fragment in err, (text, err)
+
+
+@pytest.mark.parametrize("spec", [[], ["--spec", "ngram", "-k", "3"]])
+def test_one_prompt_compiles_two_step_programs(tmp_path, spec):
+    """A one-prompt ``jspec generate`` builds two step programs, the prefill burst and the
+    decode burst, whatever its length (the goal: two or fewer before the first token). The
+    checkpoint's shape is this test's own (an MLP width no other test uses), so no program an
+    earlier test compiled in this process is reused."""
+    import jax
+
+    from helpers import write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path / "model", "llama", intermediate_size=72)
+    traced = []
+    listener = lambda event, duration, **kw: traced.append(kw.get("fun_name")) if event.endswith(  # noqa: E731
+        "jaxpr_trace_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        code, out, err = _cli("generate", "def add(a, b):", "--model", str(path), "--max-tokens", "20",
+                              "--ignore-eos", *spec)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert code == 0, err
+    assert "20 tokens" in err
+    assert traced.count("run_burst") == 2, traced
