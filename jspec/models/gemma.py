@@ -92,6 +92,14 @@ class DecoderLayer(nn.Module):
         self.mlp = llama.MLP(cfg)
         self.post_feedforward_layernorm = norm()
 
+    def trace_fields(self, fields: tuple) -> tuple:
+        """(name, value) fields for :func:`jspec.models.llama.call_layer`'s cache, with ``layer``
+        the first layer of this one's type: a layer's program depends on its type alone (window,
+        RoPE), so Gemma-3-27B's 62 layers trace two programs, not 62."""
+        cfg, kind = self.config, self.config.layer_type(self.layer)
+        first = next(i for i in range(cfg.num_layers) if cfg.layer_type(i) == kind)
+        return tuple((name, first if name == "layer" else value) for name, value in fields)
+
     def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), metas, k_pages, v_pages)
         x = x + self.post_attention_layernorm(h)

@@ -37,6 +37,7 @@ run inside ``shard_map`` over the KV-head axis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, NamedTuple, Optional
@@ -50,6 +51,7 @@ from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, init_cache, write_kv
 from jspec.config import ModelConfig
+from pallas_kernels.cpu.build import tracing_for_cpu_only
 
 
 def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
@@ -395,6 +397,41 @@ class DecoderLayer(nn.Module):
         return x, k_pages, v_pages
 
 
+# Decoder layers of one shape are traced once per program, not once per layer (call_layer):
+# tracing and lowering 30 unrolled layers was most of a warm start's compile time. Off: every
+# layer traced inline (the tests compare the two).
+TRACE_LAYERS_ONCE = True
+
+
+def call_layer(layer: nn.Module, params, *args):
+    """``layer(*args)`` with parameters ``params``, as a nested ``jax.jit`` keyed by the layer's
+    class and fields and the non-array parts of ``args`` (a segment's shape, which options are
+    None): the layers of a model share one trace and one lowered function, which XLA inlines at
+    each call, so the compiled program is the unrolled one. The arrays of ``args`` (and the
+    parameters) are the jitted function's operands."""
+    fields = tuple((f.name, getattr(layer, f.name)) for f in dataclasses.fields(layer)
+                   if f.name not in ("parent", "name"))
+    if hasattr(layer, "trace_fields"):  # a layer whose fields differ where its program does not
+        fields = layer.trace_fields(fields)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
+    static = tuple(leaf for leaf, a in zip(leaves, is_array) if not a)
+    program = _layer_program(type(layer), fields, treedef, is_array, static, tracing_for_cpu_only())
+    return program(params, *[leaf for leaf, a in zip(leaves, is_array) if a])
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_program(cls: type, fields: tuple, treedef, is_array: tuple, static: tuple, for_cpu_only: bool):
+    del for_cpu_only  # a key only: a trace inside pallas_kernels.cpu.build.tracing_for_cpu differs
+
+    def layer(params, *arrays):
+        given, fixed = iter(arrays), iter(static)
+        args = jax.tree_util.tree_unflatten(treedef, [next(given) if a else next(fixed) for a in is_array])
+        return cls(**dict(fields), parent=None).apply({"params": params}, *args)
+
+    return jax.jit(layer)
+
+
 class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     attention: str = "reference"
@@ -423,9 +460,15 @@ class LlamaForCausalLM(nn.Module):
         layer's pages); returns (x, k_pages, v_pages, {layer in ``feature_layers``: the residual
         stream after it [M, H]})."""
         k_pages, v_pages, taken = list(k_pages), list(v_pages), {}
+        once = TRACE_LAYERS_ONCE and not self.is_initializing() and self.config.tensor_parallel == 1 \
+            and not isinstance(metas, DenseContext)
         for i in range(n):
             with jax.named_scope(f"layer_{i}"):
-                x, k_pages[i], v_pages[i] = self.layers[i](x, metas, k_pages[i], v_pages[i])
+                if once:
+                    x, k_pages[i], v_pages[i] = call_layer(self.layers[i], self.variables["params"][f"layers_{i}"],
+                                                           x, metas, k_pages[i], v_pages[i])
+                else:
+                    x, k_pages[i], v_pages[i] = self.layers[i](x, metas, k_pages[i], v_pages[i])
             if i in feature_layers:
                 taken[i] = x
         return x, k_pages, v_pages, taken

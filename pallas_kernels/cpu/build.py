@@ -124,6 +124,12 @@ def tracing_for_cpu() -> Iterator[None]:
         _FOR_CPU.reset(token)
 
 
+def tracing_for_cpu_only() -> bool:
+    """Whether the code being traced now is inside :func:`tracing_for_cpu` (a cache of traced
+    programs keys on it: a program traced inside holds the CPU ops alone)."""
+    return _FOR_CPU.get()
+
+
 def on_cpu(*args, cpu, default):
     """``cpu(*args)`` where the program is lowered for the CPU, ``default(*args)`` elsewhere
     (``jax.lax.platform_dependent``); inside :func:`tracing_for_cpu`, ``cpu(*args)`` alone."""
