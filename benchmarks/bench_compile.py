@@ -9,7 +9,9 @@ burst program the engine runs for a decode step (the plain step at ``--slots`` s
 verification step (n-gram drafts, k = ``--k``), each lowered from ``jax.ShapeDtypeStruct``
 parameters and state (``jax.jit(...).lower(...)``) and compiled for this machine's backend, with
 the seconds of lowering and of compiling apart. XLA's compilation cache is off for the run, so
-every number is a cold compile. ``--lower-only``: trace and lower only.
+every number is a cold compile. ``--lower-only``: trace and lower only. ``--modes once,inline``
+times each program twice, side by side: with each kind of decoder layer traced once
+(``jspec.models.llama.call_layer``, the default) and with every layer traced inline.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--lower-only", action="store_true", help="trace and lower, do not compile")
+    ap.add_argument("--modes", default="once", help="once, inline or both: how decoder layers are traced")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -73,6 +76,7 @@ def main() -> None:
 
     jax.config.update("jax_enable_compilation_cache", False)
     from jspec.loading import read_config
+    from jspec.models import llama
     from jspec.speculative.drafters import NgramDrafter
     from jspec.speculative.steps import PlainStep, SpecStep
 
@@ -85,10 +89,14 @@ def main() -> None:
             drafter = NgramDrafter(args.k, 3, 1)
             for kind, step, k, d in (("decode", PlainStep(cfg, eos, "reference"), 0, None),
                                      ("verify", SpecStep(cfg, eos, "reference", drafter), args.k, drafter)):
-                rec = {"config": name, "layers": n, "hidden": cfg.hidden_size, "step": kind, "slots": args.slots,
-                       "k": k, **time_step(step, cfg, args.slots, args.max_model_len, k, d, not args.lower_only)}
-                rows.append(rec)
-                print(json.dumps(rec), flush=True)
+                for mode in args.modes.split(","):
+                    llama.TRACE_LAYERS_ONCE = mode == "once"
+                    jax.clear_caches()
+                    rec = {"config": name, "layers": n, "hidden": cfg.hidden_size, "step": kind,
+                           "slots": args.slots, "k": k, "layers_traced": mode,
+                           **time_step(step, cfg, args.slots, args.max_model_len, k, d, not args.lower_only)}
+                    rows.append(rec)
+                    print(json.dumps(rec), flush=True)
     result = {"machine": common.machine(), "commit": common.git_rev(), "backend": jax.default_backend(),
               "command": "python benchmarks/bench_compile.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
