@@ -193,7 +193,7 @@ def test_an_eagle_head_is_packed_too_and_drafts_the_same(kernels_on):
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qkv-bias"])
-def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on, qkv_bias):
+def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels_on, qkv_bias, monkeypatch):
     """With the packed copies, a step of a few rows runs each layer's two RMSNorms and two
     residual adds inside kernel calls. With the cpu attention the whole layer is one call
     (pallas_kernels.cpu.layer_tail.decoder_layer: norm, QKV, RoPE, the K/V write, attention, o_proj,
@@ -209,6 +209,9 @@ def test_a_layer_folds_its_norms_and_residual_adds_into_the_kernel_calls(kernels
     from pallas_kernels.cpu.layer_tail import TARGET as TAIL_TARGET
     from pallas_kernels.cpu.small_rows import FUSED_TARGET, TARGET
 
+    from jspec.models import llama
+
+    monkeypatch.setattr(llama, "TRACE_LAYERS_ONCE", False)  # each layer's calls in the lowered text
     model = tiny_model(tiny_config(num_layers=2, qkv_bias=qkv_bias), scale=2.0)
     cfg = model.config
     layers = cfg.num_layers

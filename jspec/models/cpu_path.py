@@ -223,6 +223,11 @@ class DecoderLayer(llama.DecoderLayer):
     attention_cls = Attention
     mlp_cls = MLP
 
+    def trace_context(self) -> bool:
+        """What else this layer's trace depends on (jspec.models.llama.call_layer keys on it):
+        whether it is traced for the CPU only (its kernels' CPU branch alone)."""
+        return cpu_kernels.tracing_for_cpu_only()
+
     def __call__(self, x, metas, k_pages, v_pages):  # x: [M, H]; metas: per-segment metadata, or a DenseContext
         if not self._folds(x):
             return super().__call__(x, metas, k_pages, v_pages)

@@ -51,7 +51,6 @@ from jspec import attention as attention_lib
 from jspec import parallel
 from jspec.cache.paged import PAGE_AXES, PagedKVCache, init_cache, write_kv
 from jspec.config import ModelConfig
-from pallas_kernels.cpu.build import tracing_for_cpu_only
 
 
 def rope_inv_freq(config: ModelConfig, layer: Optional[int] = None) -> np.ndarray:
@@ -416,13 +415,14 @@ def call_layer(layer: nn.Module, params, *args):
     leaves, treedef = jax.tree_util.tree_flatten(args)
     is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
     static = tuple(leaf for leaf, a in zip(leaves, is_array) if not a)
-    program = _layer_program(type(layer), fields, treedef, is_array, static, tracing_for_cpu_only())
+    context = layer.trace_context() if hasattr(layer, "trace_context") else None
+    program = _layer_program(type(layer), fields, treedef, is_array, static, context)
     return program(params, *[leaf for leaf, a in zip(leaves, is_array) if a])
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_program(cls: type, fields: tuple, treedef, is_array: tuple, static: tuple, for_cpu_only: bool):
-    del for_cpu_only  # a key only: a trace inside pallas_kernels.cpu.build.tracing_for_cpu differs
+def _layer_program(cls: type, fields: tuple, treedef, is_array: tuple, static: tuple, context):
+    del context  # a key only: what else the layer's trace depends on (its trace_context())
 
     def layer(params, *arrays):
         given, fixed = iter(arrays), iter(static)
@@ -460,8 +460,9 @@ class LlamaForCausalLM(nn.Module):
         layer's pages); returns (x, k_pages, v_pages, {layer in ``feature_layers``: the residual
         stream after it [M, H]})."""
         k_pages, v_pages, taken = list(k_pages), list(v_pages), {}
-        once = TRACE_LAYERS_ONCE and not self.is_initializing() and self.config.tensor_parallel == 1 \
-            and not isinstance(metas, DenseContext)
+        # inline where Flax must see each layer: initialising, or a caller collecting intermediates
+        once = TRACE_LAYERS_ONCE and not self.is_initializing() and not self.is_mutable_collection("intermediates") \
+            and self.config.tensor_parallel == 1 and not isinstance(metas, DenseContext)
         for i in range(n):
             with jax.named_scope(f"layer_{i}"):
                 if once:
