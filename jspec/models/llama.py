@@ -396,8 +396,8 @@ class DecoderLayer(nn.Module):
         return x, k_pages, v_pages
 
 
-# Decoder layers of one shape are traced once per program, not once per layer (call_layer):
-# tracing and lowering 30 unrolled layers was most of a warm start's compile time. Off: every
+# Decoder layers of one kind are traced once per program, not once per layer (call_layer):
+# tracing and lowering 30 layers one by one was most of a warm start's compile time. Off: every
 # layer traced inline (the tests compare the two).
 TRACE_LAYERS_ONCE = True
 
@@ -405,9 +405,10 @@ TRACE_LAYERS_ONCE = True
 def call_layer(layer: nn.Module, params, *args):
     """``layer(*args)`` with parameters ``params``, as a nested ``jax.jit`` keyed by the layer's
     class and fields and the non-array parts of ``args`` (a segment's shape, which options are
-    None): the layers of a model share one trace and one lowered function, which XLA inlines at
-    each call, so the compiled program is the unrolled one. The arrays of ``args`` (and the
-    parameters) are the jitted function's operands."""
+    None): the layers of a model share one trace and one lowered function that each layer calls.
+    The results are the inline trace's bits (tests/test_layer_trace.py) and a step runs as fast
+    (BENCHMARKS.md, start-up). The arrays of ``args`` (and the parameters) are the jitted
+    function's operands; a layer's ``trace_fields`` / ``trace_context`` adjust the key."""
     fields = tuple((f.name, getattr(layer, f.name)) for f in dataclasses.fields(layer)
                    if f.name not in ("parent", "name"))
     if hasattr(layer, "trace_fields"):  # a layer whose fields differ where its program does not
