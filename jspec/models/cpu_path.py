@@ -29,6 +29,7 @@ small-row kernel applies, and prepares the parameters with :func:`with_small_row
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar, Optional
 
@@ -342,6 +343,16 @@ class EagleHead(eagle.EagleHead):
     layer_cls = DecoderLayer
 
 
+def _for_cpu(method):
+    """``method`` traced inside pallas_kernels.cpu.build.tracing_for_cpu (see :class:`CpuPath`)."""
+    @functools.wraps(method)
+    def traced_for_cpu(*args, **kwargs):
+        with cpu_kernels.tracing_for_cpu():
+            return method(*args, **kwargs)
+
+    return traced_for_cpu
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuPath(ModelPath):
     """The models on the CPU kernels (see the module docstring). The engine picks this path for
@@ -352,21 +363,13 @@ class CpuPath(ModelPath):
     causal_lm: ClassVar[type] = LlamaForCausalLM
     eagle_head: ClassVar[type] = EagleHead
 
-    def forward(self, *args, **options) -> llama.ForwardOutput:
-        with cpu_kernels.tracing_for_cpu():
-            return super().forward(*args, **options)
+    forward = _for_cpu(ModelPath.forward)
+    forward_segments = _for_cpu(ModelPath.forward_segments)
+    eagle_forward = _for_cpu(ModelPath.eagle_forward)
 
-    def forward_segments(self, *args, **options):
-        with cpu_kernels.tracing_for_cpu():
-            return super().forward_segments(*args, **options)
-
-    def eagle_forward(self, *args, **options) -> eagle.HeadOutput:
-        with cpu_kernels.tracing_for_cpu():
-            return super().eagle_forward(*args, **options)
-
+    @_for_cpu
     def times_rows(self, x: jax.Array, rows: jax.Array, quantized: Optional[jax.Array] = None) -> jax.Array:
-        with cpu_kernels.tracing_for_cpu():
-            return times_rows(x, rows, quantized)
+        return times_rows(x, rows, quantized)
 
 
 CPU = CpuPath()

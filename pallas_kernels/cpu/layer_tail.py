@@ -132,8 +132,7 @@ def _kernel_or_reference(kernel, reference, n: int, ints: tuple[int, ...]):
     @functools.partial(jax.custom_vjp, nondiff_argnums=(n,))
     def call(*args):
         *arrays, eps = args
-        return on_cpu(*arrays, cpu=functools.partial(kernel, eps=eps),
-                                          default=functools.partial(reference, eps=eps))
+        return on_cpu(*arrays, cpu=functools.partial(kernel, eps=eps), default=functools.partial(reference, eps=eps))
 
     def fwd(*args):
         return call(*args), args[:n]

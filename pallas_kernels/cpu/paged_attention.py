@@ -59,5 +59,4 @@ def paged_attention_cpu(
         q_lens = jnp.full(kv_lens.shape, q.shape[1], jnp.int32)
     if not applies(q, k_pages):
         return fallback(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
-    return on_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens,
-                                      cpu=_kernel, default=fallback)
+    return on_cpu(q, k_pages, v_pages, block_tables, kv_lens, q_lens, cpu=_kernel, default=fallback)

@@ -384,7 +384,7 @@ def fused_small_rows(x: jax.Array, w: jax.Array, n: int | None = None, *, scale:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fused(x2, w, g, r, eps, norm, add):
     return on_cpu(x2, w, g, r, cpu=functools.partial(_fused_kernel, eps=eps),
-                                      default=functools.partial(_fused_reference, eps=eps, norm=norm, add=add))
+                  default=functools.partial(_fused_reference, eps=eps, norm=norm, add=add))
 
 
 def _fused_reference(x2, w, g, r, *, eps, norm, add):
