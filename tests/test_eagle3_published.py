@@ -188,3 +188,69 @@ def test_bad_layouts_are_refused_by_name(target, tmp_path):
         read_eagle(str(tmp_path / "geometry"), model)
     with pytest.raises(CheckpointError, match="neither a jspec head"):
         read_eagle(str(tmp_path), model)
+
+
+def test_a_head_jspec_trains_is_served_in_the_published_layouts(target, tmp_path):
+    """``jspec distill --arch eagle3-published`` trains the published architecture;
+    ``jspec export-draft`` writes it in both layouts, which read back bit for bit, load strictly
+    into the PyTorch head named as the published checkpoints (with its logits), and draft the
+    same tokens, accepted alike, as the jspec checkpoint. jspec's own EAGLE-3 head is refused."""
+    import chex
+
+    from hostile_helpers import assert_one_line, cli
+    from jspec.loading.drafts import export_eagle, load_tensors
+    from jspec.models.eagle import init_published_eagle3_params, is_published_eagle3
+    from jspec.train.distill import DistillConfig, run
+    from jspec.train.trainer import TrainConfig
+
+    directory, model = target
+    cfg = model.config
+    dc = DistillConfig(arch="eagle3-published", prompts=6, max_prompt_tokens=300, max_new_tokens=12,
+                       draft_vocab=DRAFT_VOCAB, train=TrainConfig(steps=6, batch_size=4, learning_rate=3e-3,
+                                                                  checkpoint_every=6, warmup_steps=2))
+    card = run(model, "tiny", tmp_path / "jspec", dc, eval_prompts=0, say=lambda *a: None)
+    assert card["config"]["head"] == "eagle3-published" and card["config"]["feature_layers"] == [1, 3, 4]
+    params, layers = read_eagle(str(tmp_path / "jspec"), model)
+    assert is_published_eagle3(params["head"]) and layers == (1, 3, 4)
+    start = init_published_eagle3_params(cfg, jax.random.key(0), model.params)
+    assert not np.array_equal(np.asarray(params["head"]["fc"]["kernel"]), np.asarray(start["fc"]["kernel"]))
+
+    export_eagle(tmp_path / "jspec", model, tmp_path / "eagle", "eagle")
+    code, out, _ = cli("export-draft", tmp_path / "eagle", "--target", directory, "--out", tmp_path / "speculators",
+                       "--layout", "speculators")
+    assert code == 0 and "speculators layout" in out
+    for layout in ("eagle", "speculators"):
+        got, got_layers = read_eagle(str(tmp_path / layout), model)
+        assert got_layers == layers
+        chex.assert_trees_all_equal(got, params)
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+    tensors = load_tensors(tmp_path / "eagle" / "model.safetensors")
+    head = TorchEagle3(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                       DRAFT_VOCAB, cfg.rms_norm_eps, cfg.rope_theta).eval()
+    head.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k not in ("d2t", "t2d")},
+                         strict=True)
+    rng = np.random.default_rng(4)
+    embeds, feats = rng.normal(size=(7, cfg.hidden_size)), rng.normal(size=(7, 3 * cfg.hidden_size))
+    with torch.no_grad():
+        want, _ = head(torch.tensor(embeds, dtype=torch.float32), torch.tensor(feats, dtype=torch.float32))
+    mine = eagle_forward(params["head"], cfg, jnp.asarray(embeds, jnp.float32)[None],
+                         jnp.asarray(feats, jnp.float32)[None], DenseContext(jnp.arange(7)[None], _causal), None)
+    np.testing.assert_allclose(np.asarray(mine.normed[0] @ params["lm_head"].T), want.numpy(), atol=2e-4)
+
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 7, 40, 41]]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = jspec.generate(model, prompts, sp, attention="reference").token_ids
+    runs = [jspec.generate(model, prompts, sp, attention="reference",
+                           spec=SpecConfig("eagle", num_speculative_tokens=3, draft=str(tmp_path / name)))
+            for name in ("jspec", "eagle", "speculators")]
+    for r in runs:
+        assert r.token_ids == plain and r.proposed_counts == runs[0].proposed_counts
+        assert r.accepted_counts == runs[0].accepted_counts
+
+    own = DistillConfig(arch="eagle3", prompts=6, max_prompt_tokens=300, max_new_tokens=12, draft_vocab=DRAFT_VOCAB,
+                        train=TrainConfig(steps=1, batch_size=4, checkpoint_every=1, warmup_steps=1))
+    run(model, "tiny", tmp_path / "own", own, eval_prompts=0, say=lambda *a: None)
+    assert_one_line(*cli("export-draft", tmp_path / "own", "--target", directory, "--out", tmp_path / "x"),
+                    "--arch eagle3-published")
+    assert not (tmp_path / "x").exists()

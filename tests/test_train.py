@@ -286,3 +286,19 @@ def test_general_requests_are_everyday_and_never_a_benchmark_prompt():
     assert DistillConfig(arch="eagle3", prompts=0, general_prompts=4).mix.general_prompts == 4
     with pytest.raises(jspec.ConfigError):
         DistillConfig(arch="eagle3", prompts=0, general_prompts=-1)
+
+
+def test_a_published_eagle3_head_reads_three_layers_below_the_last(target):
+    """The published architecture fuses exactly three layers whose output enters another layer
+    (its config names the layers they enter); the default is vLLM's (entering 2, L / 2, L - 3)."""
+    from jspec.train.distill import published_feature_layers
+
+    assert published_feature_layers(32) == (1, 15, 28)
+    eight = dataclasses.replace(target.config, num_layers=8)
+    assert _dc("eagle3-published").layers_for(eight) == (1, 3, 4)
+    assert _dc("eagle3-published", feature_layers=(0, 5, 6)).layers_for(eight) == (0, 5, 6)
+    for layers in ((0, 5, 7), (0, 5), (2, 2, 3)):
+        with pytest.raises(jspec.ConfigError, match="three distinct layers"):
+            _dc("eagle3-published", feature_layers=layers).layers_for(eight)
+    with pytest.raises(jspec.ConfigError, match="three distinct layers"):
+        _dc("eagle3-published").layers_for(target.config)  # two layers: too shallow for the default

@@ -8,8 +8,9 @@ from pathlib import Path
 def add_distill_parser(sub) -> None:
     d = sub.add_parser("distill", help="train a draft (small Llama, EAGLE or EAGLE-3 head) for a target")
     d.add_argument("--target", default="smollm2-135m", help="target model name or path")
-    d.add_argument("--arch", default="eagle", choices=["small-llama", "eagle", "eagle3"],
-                   help="eagle3: a head fusing low/middle/high target layers (see --feature-layers)")
+    d.add_argument("--arch", default="eagle", choices=["small-llama", "eagle", "eagle3", "eagle3-published"],
+                   help="eagle3: a head fusing low/middle/high target layers (see --feature-layers); "
+                        "eagle3-published: the EAGLE-3 architecture vLLM and SGLang serve (see export-draft)")
     d.add_argument("--out", required=True, help="output directory, e.g. checkpoints/NAME")
     d.add_argument("--prompts", type=int, default=256,
                    help="standard-library signature + docstring prompts the target continues")
@@ -47,10 +48,14 @@ def add_distill_parser(sub) -> None:
                    help="start from this draft checkpoint (name or path, same --arch) instead of a fresh draft")
     d.set_defaults(func=cmd_distill)
 
-    e = sub.add_parser("export-draft", help="write a small-llama draft as a full Hugging Face directory")
-    e.add_argument("draft", help="draft checkpoint directory")
+    e = sub.add_parser("export-draft", help="write a small-llama draft as a full Hugging Face directory, or an "
+                                            "EAGLE head in the layout vLLM and SGLang load")
+    e.add_argument("draft", help="draft checkpoint directory (jspec's, or a published EAGLE head)")
     e.add_argument("--target", default="smollm2-135m")
     e.add_argument("--out", required=True)
+    e.add_argument("--layout", default="eagle", choices=["eagle", "speculators"],
+                   help="an EAGLE head's layout: the EAGLE authors' and SpecForge's (midlayer.), or vLLM's "
+                        "speculators format (layers.0.)")
     e.set_defaults(func=cmd_export)
 
 
@@ -80,8 +85,8 @@ def check_numbers(args) -> None:
     if args.budget_minutes is not None and not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
         raise ConfigError(f"--budget-minutes must be a finite number > 0, got {args.budget_minutes}")
     args.feature_layers = parse_layers(args.feature_layers)
-    if args.feature_layers is not None and args.arch != "eagle3":
-        raise ConfigError("--feature-layers is for --arch eagle3")
+    if args.feature_layers is not None and args.arch not in ("eagle3", "eagle3-published"):
+        raise ConfigError("--feature-layers is for --arch eagle3 and eagle3-published")
     if not 0 <= args.eval_prompts <= 164:
         raise ConfigError(f"--eval-prompts must be in [0, 164] (HumanEval's problems), got {args.eval_prompts}")
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
@@ -143,12 +148,22 @@ def cmd_distill(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """A small-llama draft to a Hugging Face directory; an EAGLE head (jspec's card, or a published
+    layout) to ``--layout``."""
     import jspec
-    from jspec.loading.drafts import export_hf, read_card
+    from jspec.loading.drafts import export_eagle, export_hf, read_card
+    from jspec.loading.eagle_formats import published_kind
 
-    draft = Path(args.draft)
-    if not draft.is_dir() or read_card(draft) is None:
-        raise jspec.CheckpointNotFoundError(f"{draft}: not a jspec draft directory (no card.json)")
+    draft, out = Path(args.draft), Path(args.out)
+    card = read_card(draft) if draft.is_dir() else None
+    if card is None and (not draft.is_dir() or published_kind(draft) is None):
+        raise jspec.CheckpointNotFoundError(f"{draft}: not a jspec draft directory (no card.json) nor a published "
+                                            "EAGLE head (config.json)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise jspec.ConfigError(f"--out {out} already exists and is not an empty directory")
     target = jspec.load_model(args.target)
-    print(f"wrote {export_hf(Path(args.draft), target, Path(args.out))}")
+    if card is not None and card.get("architecture") == "small-llama":
+        print(f"wrote {export_hf(draft, target, out)}")
+    else:
+        print(f"wrote {export_eagle(draft, target, out, args.layout)} ({args.layout} layout)")
     return 0

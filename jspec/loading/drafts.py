@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec.errors import CheckpointError, CheckpointNotFoundError, DraftMismatchError
+from jspec.errors import CheckpointError, CheckpointNotFoundError, DraftMismatchError, UnsupportedModelError
 from jspec.loading import schema
 
 CARD = "card.json"
@@ -302,6 +302,27 @@ def drafter_geometry(method: str, name_or_path: str | None, target_config, dtype
     return None, 0
 
 
+def export_eagle(path: Path, target, out: Path, layout: str = "eagle") -> Path:
+    """A head with a published architecture written in the layout of the EAGLE authors and
+    SpecForge (``layout="eagle"``) or of vLLM's ``speculators`` (``"speculators"``), for those
+    engines to serve: a head ``jspec distill --arch eagle3-published`` trained, or a published
+    head read from either layout (which converts it to the other). jspec's own EAGLE heads have
+    no published layout and are refused with what to train instead."""
+    from jspec.loading.eagle_formats import write_published_eagle1, write_published_eagle3
+    from jspec.models.eagle import is_published, is_published_eagle3
+
+    params, layers = read_eagle(str(path), target)
+    head = params["head"]
+    if not is_published(head):
+        kind = "EAGLE-3" if layers else "EAGLE-1"
+        raise UnsupportedModelError(f"{path}: jspec's own {kind} head (fc in front of a standard decoder layer) has "
+                                    "no published layout; train one vLLM and SGLang serve with "
+                                    "`jspec distill --arch eagle3-published`")
+    if is_published_eagle3(head):
+        return write_published_eagle3(out, head, params["lm_head"], params["vocab_ids"], target.config, layers, layout)
+    return write_published_eagle1(out, head, target.config, layout)
+
+
 def export_hf(path: Path, target, out: Path) -> Path:
     """A complete Hugging Face Llama directory of a small-llama draft (embedding and the
     target's tokenizer included) for transformers' assisted generation."""
@@ -374,7 +395,8 @@ def read_eagle(name_or_path: str, target) -> tuple[dict, tuple[int, ...]]:
     if "draft_vocab_ids" not in flat:
         raise CheckpointError(f"{file}: missing tensor draft_vocab_ids")
     vocab_ids = jnp.asarray(check_vocab_ids(flat.pop("draft_vocab_ids"), target, card, file), jnp.int32)
-    head = _check_eagle_tensors(flat, target.config, file, len(feature_layers))
+    published = (card.get("config") or {}).get("head") == "eagle3-published"
+    head = _check_eagle_tensors(flat, target.config, file, len(feature_layers), published)
     dtype = jnp.dtype(target.config.dtype)
     head = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), unflatten(head))
     lm_head = jnp.take(output_embedding(target.params, target.config), vocab_ids, axis=0)
@@ -391,14 +413,19 @@ def _shapes(tree, prefix: str = "") -> dict[str, tuple]:
     return out
 
 
-def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path, num_features: int = 0
-                         ) -> dict[str, np.ndarray]:
+def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path, num_features: int = 0,
+                         published: bool = False) -> dict[str, np.ndarray]:
     """The ``head/...`` tensors of an EAGLE file, named and shaped as the target's config and the
-    card's feature layers imply (each one finite); returns them without the ``head/`` prefix."""
+    card's feature layers and head architecture (jspec's, or ``published``: the published EAGLE-3
+    one) imply, each one finite; returns them without the ``head/`` prefix."""
     from jspec.loading.convert import check_finite
-    from jspec.models.eagle import init_eagle_params
+    from jspec.models.eagle import init_eagle_params, init_published_eagle3_params
 
-    want = _shapes(jax.eval_shape(lambda: init_eagle_params(config, jax.random.key(0), num_features=num_features)))
+    if published:
+        init = lambda: init_published_eagle3_params(config, jax.random.key(0), num_features=num_features)  # noqa: E731
+    else:
+        init = lambda: init_eagle_params(config, jax.random.key(0), num_features=num_features)  # noqa: E731
+    want = _shapes(jax.eval_shape(init))
     got = {k[len("head/"):]: v for k, v in flat.items() if k.startswith("head/")}
     extra = sorted(set(flat) - {f"head/{k}" for k in got})
     missing = sorted(set(want) - set(got))

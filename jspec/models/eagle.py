@@ -218,6 +218,9 @@ def _published_module(config: ModelConfig, attention: str, eagle1: tuple[bool, b
 
 def num_features_of(head_params) -> int:
     """How many target layers a head's parameters fuse (0: an EAGLE-1 head)."""
+    if is_published(head_params):
+        kernel = head_params["fc"]["kernel"]  # [3H, H] of an EAGLE-3 head, [2H, H] of an EAGLE-1 one
+        return kernel.shape[0] // kernel.shape[1] if is_published_eagle3(head_params) else 0
     fuse = head_params.get("fuse")
     if fuse is None:
         return 0
@@ -225,25 +228,30 @@ def num_features_of(head_params) -> int:
     return kernel.shape[0] // kernel.shape[1]
 
 
+def head_module(head_params, config: ModelConfig, attention: str = "reference", head_cls: type = EagleHead
+                ) -> nn.Module:
+    """The module that runs ``head_params``: ``head_cls`` (:class:`EagleHead` or a subclass with
+    its parameters) for jspec's heads; :class:`PublishedEagle3Head` or
+    :class:`PublishedEagle1Head` (the plain modules, on every path) for a published
+    architecture's, at the MLP width and QKV bias its parameters have."""
+    if not is_published(head_params):
+        return _module(config, attention, num_features_of(head_params), head_cls)
+    width = head_params["mlp"]["down_proj"]["kernel"].shape[0]
+    bias = "bias" in head_params["self_attn"]["qkv_proj"]
+    # a Llama layer whatever the target's family: no q/k norms, a QKV bias where it has one
+    head = dataclasses.replace(config, intermediate_size=width, qkv_bias=bias, qk_norm=False)
+    eagle1 = None if is_published_eagle3(head_params) else ("bias" in head_params["fc"],
+                                                            "embedding_layernorm" in head_params)
+    return _published_module(head, attention, eagle1)
+
+
 def eagle_forward(head_params, config: ModelConfig, embeds, prev, cache: PagedKVCache, q_lens,
                   attention: str = "reference", rows=None, fused: bool = False, *,
                   head_cls: type = EagleHead, tree=None) -> HeadOutput:
-    """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`). ``head_cls``:
-    :class:`EagleHead` or a subclass with the same parameters (``jspec.models.cpu_path.EagleHead``).
-    Parameters of a published head run :class:`PublishedEagle3Head` or :class:`PublishedEagle1Head`
-    (the plain modules, on every path), at the MLP width and QKV bias they have."""
-    if is_published(head_params):
-        width = head_params["mlp"]["down_proj"]["kernel"].shape[0]
-        bias = "bias" in head_params["self_attn"]["qkv_proj"]
-        # a Llama layer whatever the target's family: no q/k norms, a QKV bias where it has one
-        head = dataclasses.replace(config, intermediate_size=width, qkv_bias=bias, qk_norm=False)
-        eagle1 = None if is_published_eagle3(head_params) else ("bias" in head_params["fc"],
-                                                                "embedding_layernorm" in head_params)
-        module = _published_module(head, attention, eagle1)
-        with jax.named_scope("eagle_head"):
-            return module.apply({"params": head_params}, embeds, prev, cache, q_lens, rows, fused, tree)
+    """Pure head forward over its paged cache (see :meth:`EagleHead.__call__`), with the module
+    :func:`head_module` picks for the parameters."""
     with jax.named_scope("eagle_head"):
-        return _module(config, attention, num_features_of(head_params), head_cls).apply(
+        return head_module(head_params, config, attention, head_cls).apply(
             {"params": head_params}, embeds, prev, cache, q_lens, rows, fused, tree)
 
 
@@ -287,7 +295,7 @@ def eagle_ttt_forward(head_params, config: ModelConfig, embeds, prev_features, d
     at position t is the head's entry t in the chain started from the true entry t - j, i.e. its
     prediction of the target's token after t given tokens <= t and true features < t - j + 1.
     Valid where t - j >= 1 (and t below the sequence's length)."""
-    module = _module(config, "reference", num_features_of(head_params))
+    module = head_module(head_params, config)
     b, t = embeds.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     zeros = jnp.zeros((b, 1, config.hidden_size), embeds.dtype)
@@ -315,4 +323,40 @@ def init_eagle_params(config: ModelConfig, key: jax.Array, target_params=None, n
         params = dict(params)
         params["layer"] = jax.tree_util.tree_map(jnp.array, target_params[f"layers_{config.num_layers - 1}"])
         params["norm"] = {"scale": jnp.array(target_params["norm"]["scale"])}
+    return params
+
+
+def init_published_eagle3_params(config: ModelConfig, key: jax.Array, target_params=None, num_features: int = 3):
+    """Random :class:`PublishedEagle3Head` parameters for ``config`` (the target's, at its MLP
+    width), so that jspec can train heads that vLLM and SGLang serve. With ``target_params`` the
+    head warm-starts where the target has a like part: the attention's half that reads the
+    (normalised) feature, ``o_proj``, the MLP and their norms from the target's last layer, the
+    final norm from the target's; the fused features' ``fc`` and the embedding half start random."""
+    head = dataclasses.replace(config, qkv_bias=False, qk_norm=False)
+    cache = init_cache(1, config.num_kv_heads, config.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16,
+                       jnp.dtype(config.dtype))
+    x = jnp.zeros((1, 1, config.hidden_size), jnp.dtype(config.dtype))
+    f = jnp.zeros((1, 1, config.hidden_size * num_features), jnp.dtype(config.dtype))
+    params = _published_module(head, "reference").init(key, x, f, cache, jnp.ones((1,), jnp.int32))["params"]
+    if target_params is None:
+        return params
+    last = target_params[f"layers_{config.num_layers - 1}"]
+    params = jax.tree_util.tree_map(jnp.array, params)
+    h = config.hidden_size
+    copy = {("mlp",): last["mlp"], ("post_attention_layernorm",): last["post_attention_layernorm"],
+            ("hidden_norm",): last["input_layernorm"], ("norm",): target_params["norm"],
+            ("self_attn", "o_proj"): last["self_attn"]["o_proj"]}
+    for path, part in copy.items():
+        node = params
+        for name in path[:-1]:
+            node = node[name]
+        same = jax.tree_util.tree_structure(node[path[-1]]) == jax.tree_util.tree_structure(part) and all(
+            a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(node[path[-1]]),
+                                               jax.tree_util.tree_leaves(part)))
+        if same:  # (a family whose layer differs, e.g. a QKV bias or Gemma's norms, keeps the random part)
+            node[path[-1]] = jax.tree_util.tree_map(jnp.array, part)
+    qkv = last["self_attn"].get("qkv_proj", {})
+    if set(qkv) == {"kernel"} and qkv["kernel"].shape == (h, params["self_attn"]["qkv_proj"]["kernel"].shape[1]):
+        kernel = params["self_attn"]["qkv_proj"]["kernel"]
+        params["self_attn"]["qkv_proj"]["kernel"] = kernel.at[h:].set(qkv["kernel"].astype(kernel.dtype))
     return params

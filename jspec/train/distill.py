@@ -36,7 +36,10 @@ from jspec.train.data import DataMix, DraftData, build_data, draft_vocabulary
 from jspec.timing import describe_machine
 from jspec.train.trainer import TrainConfig, train
 
-ARCHS = ("small-llama", "eagle", "eagle3")
+ARCHS = ("small-llama", "eagle", "eagle3", "eagle3-published")
+# jspec's EAGLE-3 head (fc in front of a standard decoder layer) and the published one
+# (:class:`~jspec.models.eagle.PublishedEagle3Head`, which vLLM and SGLang serve)
+EAGLE3_ARCHS = ("eagle3", "eagle3-published")
 VALIDATION_K = 4  # the early-stopping score of a head: held-out mean accepted length at this k
 
 
@@ -45,6 +48,13 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     the distinct ones of those clipped to the model."""
     picks = [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
     return tuple(sorted(set(picks)))
+
+
+def published_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers a published EAGLE-3 head reads when its config names none: the residual
+    entering layers (2, L / 2, L - 3), vLLM's and SGLang's default, i.e. leaving layers one lower
+    (jspec's count)."""
+    return tuple(i - 1 for i in (2, num_layers // 2, num_layers - 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +94,18 @@ class DistillConfig:
                               "window >= 32")
         if self.budget_minutes is not None and not self.budget_minutes > 0:
             raise ConfigError(f"budget_minutes must be > 0, got {self.budget_minutes}")
-        if self.feature_layers is not None and self.arch != "eagle3":
-            raise ConfigError("feature layers are for --arch eagle3")
+        if self.feature_layers is not None and self.arch not in EAGLE3_ARCHS:
+            raise ConfigError("feature layers are for --arch eagle3 and eagle3-published")
 
     @property
     def head(self) -> bool:
-        return self.arch in ("eagle", "eagle3")
+        return self.arch in ("eagle", *EAGLE3_ARCHS)
+
+    @property
+    def published(self) -> bool:
+        """Whether the head is the published EAGLE-3 architecture (``jspec export-draft`` writes it
+        in the layouts vLLM and SGLang read)."""
+        return self.arch == "eagle3-published"
 
     @property
     def mix(self) -> DataMix:
@@ -100,12 +116,19 @@ class DistillConfig:
 
     def layers_for(self, config) -> tuple[int, ...]:
         """The target layers the draft reads (() for EAGLE-1 and the small Llama)."""
-        if self.arch != "eagle3":
+        if self.arch not in EAGLE3_ARCHS:
             return ()
-        layers = self.feature_layers if self.feature_layers is not None else default_feature_layers(config.num_layers)
-        if not layers or any(not 0 <= i < config.num_layers for i in layers) or len(set(layers)) != len(layers):
+        n = config.num_layers
+        if self.published:  # three layers whose output enters another layer (the published config's ids)
+            layers = self.feature_layers if self.feature_layers is not None else published_feature_layers(n)
+            if len(layers) != 3 or any(not 0 <= i < n - 1 for i in layers) or len(set(layers)) != 3:
+                raise ConfigError(f"--feature-layers {list(layers)}: a published EAGLE-3 head reads three distinct "
+                                  f"layers of the target's {n} below its last (0..{n - 2})")
+            return tuple(layers)
+        layers = self.feature_layers if self.feature_layers is not None else default_feature_layers(n)
+        if not layers or any(not 0 <= i < n for i in layers) or len(set(layers)) != len(layers):
             raise ConfigError(f"--feature-layers {list(layers)}: distinct layers of the target's "
-                              f"{config.num_layers} (0..{config.num_layers - 1})")
+                              f"{n} (0..{n - 1})")
         return tuple(layers)
 
 
@@ -167,7 +190,16 @@ def init_params(target, dc: DistillConfig, init: str):
     the vocabulary may change). The checkpoint's card must name this target and the run's
     architecture."""
     if dc.head:
+        from jspec.models.eagle import is_published_eagle3
+
+        path = ckpt.resolve_draft_path(init)
+        if path is not None and path.is_dir() and ckpt.read_card(path) is None:
+            raise DraftMismatchError(f"--init {init}: a head published elsewhere carries its own LM head and "
+                                     "vocabulary; continue from a head jspec trained")
         params, layers = ckpt.read_eagle(init, target)
+        if dc.published != is_published_eagle3(params["head"]):
+            raise DraftMismatchError(f"--init {init}: the head's architecture differs from this run's "
+                                     f"(--arch {dc.arch})")
         if layers != dc.layers_for(target.config):
             raise DraftMismatchError(f"--init {init}: the head reads target layers {list(layers) or 'final'}, "
                                      f"this run's (--arch {dc.arch}) {list(dc.layers_for(target.config)) or 'final'}")
@@ -328,12 +360,15 @@ class DraftInit:
 def init_draft(target, dc: DistillConfig, layers: tuple[int, ...], init: Optional[str] = None) -> DraftInit:
     """The draft to train: the ``init`` checkpoint's (:func:`init_params`), a fresh
     EAGLE head reading ``layers``, or a small Llama of evenly spaced target layers."""
-    from jspec.models.eagle import init_eagle_params
+    from jspec.models.eagle import init_eagle_params, init_published_eagle3_params
 
     if init is not None:
         config, params, n = init_params(target, dc, init)
         prior = _lineage(init)  # read now: ``out`` may be the init checkpoint itself, rewritten at the end
         return DraftInit(config, params, None, dc.draft_layers if n is None else n, prior)
+    if dc.published:
+        params = init_published_eagle3_params(target.config, jax.random.key(dc.train.seed), target.params)
+        return DraftInit(target.config, params, None, dc.draft_layers, {})
     if dc.head:
         params = init_eagle_params(target.config, jax.random.key(dc.train.seed), target.params,
                                    num_features=len(layers))
@@ -432,7 +467,7 @@ def draft_card(target, target_name: str, dc: DistillConfig, d: DistillData, draf
         config = {"decoder_layers": 1, "ttt_depth": dc.ttt_depth,
                   "initialised_from_target_layer": target.config.num_layers - 1}
         if d.layers:
-            config.update(head="eagle3", feature_layers=list(d.layers))
+            config.update(head=dc.arch, feature_layers=list(d.layers))
     else:
         config = {"draft_layers": dc.draft_layers, "initialised_from_target_layers": draft.picks}
     sources = (data.mix or {}).get("sources") or [{"name": "stdlib signature + docstring, raw, target continuation",
@@ -496,7 +531,7 @@ def evaluate(target, path: Path, arch: str, num_prompts: int, ks=(1, 2, 3, 4, 5,
 
     prompts = [p["prompt"] for p in list(data.read_problems().values())[:num_prompts]]
     sp = jspec.SamplingParams(max_tokens=max_new_tokens)
-    method = "eagle" if arch in ("eagle", "eagle3") else "draft"
+    method = "eagle" if arch in ("eagle", *EAGLE3_ARCHS) else "draft"
     generate(target, prompts[:1], jspec.SamplingParams(max_tokens=4))
     base_tok, base_s = 0, 0.0
     for p in prompts:
