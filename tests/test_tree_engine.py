@@ -1,5 +1,5 @@
-"""Token trees end to end: the EAGLE head drafts EAGLE-2 trees, the target verifies them in one
-forward, and the output is the target's: greedy token-identical to plain greedy (with trees that
+"""Token trees end to end: the EAGLE head drafts EAGLE-2 trees (a draft model by the same top-k
+expansion), the target verifies them in one forward, and the output is the target's: greedy token-identical to plain greedy (with trees that
 branch, accepted paths longer than one, and the K/V of accepted side branches moved into place),
 sampled following the target's exact law of the first two tokens."""
 
@@ -14,6 +14,7 @@ import jspec
 from helpers import (chi_square_check, eagle_params, exact_two_token_distribution, sampled_pair_counts, tiny_config,
                      tiny_model)
 from jspec.config import SamplingParams
+from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.eagle import EagleDrafter
 from jspec.speculative.drafters.hybrid import HybridDrafter
 
@@ -117,6 +118,71 @@ def test_sampled_tree_follows_the_target():
     exact = exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
     counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, 4000,
                                                      _tree_drafter(small.config, 6, 2, 3), eagle_params(small))
+    assert 0 < accepted < proposed, (accepted, proposed)
+    stat, threshold = chi_square_check(counts, exact)
+    assert stat < threshold, (stat, threshold)
+
+
+def _draft_model_tree(target, nodes, depth, width, vocab=None):
+    """A draft model drafting trees: the target's first layer, its final norm and head (partly
+    right, partly wrong); with ``vocab`` its LM head covers only those tokens."""
+    from jspec.models.llama import output_embedding
+
+    config = dataclasses.replace(target.config, num_layers=1)
+    params = {k: v for k, v in target.params.items() if not k.startswith("layers_") or k == "layers_0"}
+    drafter = DraftModelDrafter(nodes, config, tree_depth=depth, tree_width=width, draft_vocab=vocab is not None)
+    if vocab is None:
+        return drafter, params
+    ids = jnp.asarray(vocab, jnp.int32)
+    return drafter, {"model": params, "lm_head": jnp.take(output_embedding(params, config), ids, 0), "vocab_ids": ids}
+
+
+@pytest.mark.parametrize("nodes, depth, width, vocab", [(8, 3, 3, None), (12, 4, 4, None), (4, 2, 4, None),
+                                                        (6, 3, 2, (0, 1, 3, 4, 5, 7, 9))])
+def test_greedy_draft_model_tree_equals_plain_greedy(target, nodes, depth, width, vocab):
+    """Trees of a draft model (feeding the accepted path back, up to depth + 1 tokens, before the
+    next tree): branching, paths longer than one, a draft vocabulary."""
+    want = jspec.generate(target, PROMPTS, GREEDY).token_ids
+    drafter, params = _draft_model_tree(target, nodes, depth, width, vocab)
+    out = jspec.generate(target, PROMPTS, GREEDY, drafter=drafter, drafter_params=params)
+    assert out.token_ids == want
+    assert out.accepted_counts[1] > 0 and out.accepted_counts[0] < out.proposed_counts[0]
+
+
+def test_draft_model_trees_beat_its_chain_per_verification(target):
+    """The same draft model, 12 nodes against a chain of 4: more tokens per verification."""
+    per = {}
+    _, params = _draft_model_tree(target, 1, 1, 1)
+    chain = DraftModelDrafter(4, dataclasses.replace(target.config, num_layers=1))
+    for name, drafter in {"chain": chain, "tree": _draft_model_tree(target, 12, 4, 3)[0]}.items():
+        engine = jspec.LLMEngine(target, jspec.EngineConfig(max_num_seqs=4, max_model_len=64), drafter=drafter,
+                                 drafter_params=params)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, GREEDY)
+        for _ in engine.step_until_done():
+            pass
+        per[name] = engine.stats.accepted_per_verification
+    assert per["tree"] > per["chain"], per
+
+
+def test_a_tree_buffer_stays_within_a_verifications_rows():
+    """Expanding D levels W wide writes (D - 1) W drafter rows after the prefix, where the
+    engine reserves the nodes + 1 rows of a verification: the depth is cut to fit."""
+    from jspec.speculative.drafters.base import tree_buffer_depth
+
+    assert tree_buffer_depth(16, 4, 4) == 4  # 12 rows of 17
+    assert tree_buffer_depth(4, 4, 4) == 2  # 4 rows of 5; depth 4 would write 12
+    assert tree_buffer_depth(8, 3, 5) == 4  # 9 rows of 9
+    assert tree_buffer_depth(2, 4, 3) == 1  # the root's children only
+    spec = jspec.SpecConfig("eagle", num_speculative_tokens=4, draft="x", tree_nodes=4, tree_width=4)
+    assert (spec.tree_nodes + 1) >= (tree_buffer_depth(spec.tree_nodes, spec.tree_width, 4) - 1) * spec.tree_width
+
+
+def test_sampled_draft_model_tree_follows_the_target():
+    small = tiny_model(tiny_config(vocab_size=12, num_layers=2), seed=1, scale=2.0)
+    exact = exact_two_token_distribution(small, SAMPLED_PROMPT, SAMPLED)
+    drafter, params = _draft_model_tree(small, 6, 2, 3)
+    counts, accepted, proposed = sampled_pair_counts(small, SAMPLED_PROMPT, SAMPLED, 4000, drafter, params)
     assert 0 < accepted < proposed, (accepted, proposed)
     stat, threshold = chi_square_check(counts, exact)
     assert stat < threshold, (stat, threshold)

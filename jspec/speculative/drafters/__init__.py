@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
-from jspec.speculative.drafters.base import Proposal, on_path
+from jspec.speculative.drafters.base import Proposal, on_path, tree_buffer_depth
 from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.layerskip import LayerSkipDrafter
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -45,10 +45,14 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
 
         draft, vocab_ids = load_draft(spec.draft, target)
         check_same_vocab(target, draft)
+        tree = {}
+        if spec.tree:  # top-k expansion: tree_nodes nodes, k deep at most
+            tree = {"tree_width": spec.tree_width, "tree_depth": tree_buffer_depth(spec.tree_nodes, spec.tree_width, k)}
+            k = spec.tree_nodes
         if vocab_ids is None:
-            return DraftModelDrafter(k, draft.config, attention), draft.params
+            return DraftModelDrafter(k, draft.config, attention, **tree), draft.params
         head = jnp.take(output_embedding(draft.params, draft.config), vocab_ids, axis=0)
-        return (DraftModelDrafter(k, draft.config, attention, draft_vocab=True),
+        return (DraftModelDrafter(k, draft.config, attention, draft_vocab=True, **tree),
                 {"model": draft.params, "lm_head": head, "vocab_ids": vocab_ids})
     if spec.method == "eagle":
         from jspec.speculative.drafters.eagle import make_eagle_drafter

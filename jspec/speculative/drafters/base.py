@@ -141,3 +141,79 @@ def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int, path: 
     small = path.times_rows(hidden, head, dparams.get("lm_head_rows"))  # [B, V']
     full = jnp.full((hidden.shape[0], vocab_size), -jnp.inf, jnp.float32)
     return full.at[:, vocab_ids].set(small)
+
+
+def tree_buffer_depth(nodes: int, width: int, depth: int) -> int:
+    """The deepest tree whose drafting buffer fits the rows a verification reserves: expanding
+    ``depth`` levels ``width`` wide writes (depth - 1) * width rows of the drafter's pages after
+    the slot's prefix, where the engine holds pages for the ``nodes`` + 1 rows of a verification
+    (rows past them would land on the shared null page and read back another slot's K/V)."""
+    return max(1, min(depth, 1 + (nodes + 1) // width))
+
+
+def expand_tree(first_logits: jax.Array, k: int, depth: int, width: int, running: jax.Array, run_rows,
+                root_input: Optional[jax.Array] = None):
+    """A token tree of ``k`` nodes as EAGLE-2 grows one (Li et al., arXiv:2406.16858): the root's
+    ``width`` most probable tokens under ``first_logits`` [B, V]; then at each further depth the
+    drafter runs once on the ``width`` most probable nodes of the last depth (tree rows: each sees
+    its ancestors), each offering its ``width`` best children; the ``k`` most probable of all
+    candidates by cumulative draft log-probability form the tree, ``depth`` deep at most.
+
+    The frontiers sit in one buffer of (depth - 1) * width rows after the slot's prefix, and each
+    depth's run covers the buffer so far (earlier rows again: the same inputs, the same K/V):
+    ``run_rows(tokens [B, R], inputs [B, R, F] or None, tree_rows, q_lens [B], lo)`` returns the
+    logits [B, width, V] of rows lo .. lo + width and what each of those rows hands its
+    children as input ([B, width, F], or None). ``root_input`` [B, F]: the root's children's
+    input (an EAGLE head's feature), or None for a drafter that takes tokens only.
+
+    Returns (nodes int32 [B, k], parents int32 [B, k], num int32 [B]); candidates are
+    deterministic (q one-hot), so acceptance stays exact under sampling."""
+    from jspec.models.llama import TreeRows
+    from jspec.speculative import tree as tree_lib
+
+    b, w = first_logits.shape[0], width
+    score, tok = jax.lax.top_k(jax.nn.log_softmax(first_logits), w)  # the root's children [B, W]
+    toks, scores, parents, depths = [tok], [score], [jnp.full((b, w), -1, jnp.int32)], [jnp.ones((w,), jnp.int32)]
+    rows = (depth - 1) * w
+    front_idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))  # candidate index of each frontier node
+    front_bits = jnp.zeros((b, w), jnp.int32)  # the frontier's parents' rows (the root: in the prefix)
+    buf_tok = jnp.zeros((b, rows), jnp.int32)
+    buf_bits = jnp.zeros((b, rows), jnp.int32)
+    buf_off = jnp.zeros((b, rows), jnp.int32)
+    front_in = buf_in = None
+    if root_input is not None:
+        front_in = jnp.broadcast_to(root_input[:, None], (b, w, root_input.shape[-1]))
+        buf_in = jnp.zeros((b, rows, root_input.shape[-1]), root_input.dtype)
+    total = w
+    for d in range(2, depth + 1):  # the frontier (depth d - 1) goes in as rows lo .. lo + W
+        lo = (d - 2) * w
+        own = jnp.left_shift(jnp.int32(1), lo + jnp.arange(w, dtype=jnp.int32))
+        buf_tok = buf_tok.at[:, lo:lo + w].set(tok)
+        buf_bits = buf_bits.at[:, lo:lo + w].set(front_bits | own[None, :])
+        buf_off = buf_off.at[:, lo:lo + w].set(d - 2)  # depth d - 1, one past the root's position
+        if buf_in is not None:
+            buf_in = buf_in.at[:, lo:lo + w].set(front_in)
+        q_lens = jnp.where(running, lo + w, 0).astype(jnp.int32)
+        logits, outputs = run_rows(buf_tok, buf_in, TreeRows(buf_off, buf_bits), q_lens, lo)
+        s, t = jax.lax.top_k(jax.nn.log_softmax(logits), w)  # [B, W (parent), W (child)]
+        child_score = (score[:, :, None] + s).reshape(b, w * w)
+        child_tok = t.reshape(b, w * w).astype(jnp.int32)
+        toks.append(child_tok)
+        scores.append(child_score)
+        parents.append(jnp.repeat(front_idx, w, axis=1))
+        depths.append(jnp.full((w * w,), d, jnp.int32))
+        # the next frontier: the W best children; a child's input is its parent's output
+        score, pick = jax.lax.top_k(child_score, w)
+        parent_row = pick // w  # [B, W] within this depth's rows
+        tok = jnp.take_along_axis(child_tok, pick, axis=1)
+        front_idx = total + pick.astype(jnp.int32)
+        if outputs is not None:
+            front_in = jnp.take_along_axis(outputs, parent_row[..., None], axis=1)
+        front_bits = jnp.take_along_axis(buf_bits[:, lo:lo + w], parent_row, axis=1)
+        total += w * w
+    keep = min(k, total)  # a narrow, shallow budget may offer fewer candidates than k nodes
+    nodes, node_parents = tree_lib.select_nodes(jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
+                                                jnp.concatenate(parents, 1), jnp.concatenate(depths), keep)
+    pad = ((0, 0), (0, k - keep))
+    nodes, node_parents = jnp.pad(nodes, pad), jnp.pad(node_parents, pad, constant_values=-1)
+    return nodes, node_parents, jnp.where(running, keep, 0).astype(jnp.int32)

@@ -35,9 +35,8 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.path import PLAIN, ModelPath
-from jspec.models.llama import TreeRows
-from jspec.speculative import tree as tree_lib
-from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, sample_chain
+from jspec.speculative.drafters.base import (Proposal, cache_view, draft_vocab_logits, expand_tree, sample_chain,
+                                              tree_buffer_depth)
 from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
 SALT_DRAFT = 300
@@ -156,60 +155,24 @@ class EagleDrafter:
         return Proposal(drafts, logits, self._with_cache(state.drafter, cache), state.cache)
 
     def _propose_tree(self, drafter_params, target_params, state: DecodeState) -> Proposal:
-        """An EAGLE-2 tree (see the module doc). The head's rows of depths 1 .. tree_depth - 1
-        sit in one buffer of (tree_depth - 1) * tree_width rows after the root's entry; each depth
-        runs the head on the buffer so far (earlier rows again: the same inputs, the same K/V)."""
-        c, w, depth = self.config, self.tree_width, self.tree_depth
+        """An EAGLE-2 tree (:func:`~jspec.speculative.drafters.base.expand_tree`): the head's
+        rows of depths 1 .. tree_depth - 1 sit after the root's entry, each row's input feature
+        its parent's chained output."""
+        c, w = self.config, self.tree_width
         _, first, (cache, root_feat) = self._first(drafter_params, target_params, state)
         b = first.shape[0]
-        score, tok = jax.lax.top_k(jax.nn.log_softmax(first), w)  # the root's children [B, W]
-        toks, scores, parents, depths = [tok], [score], [jnp.full((b, w), -1, jnp.int32)], [jnp.ones((w,), jnp.int32)]
-        rows = (depth - 1) * w
-        front_idx = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))  # candidate index of each frontier node
-        front_feat = jnp.broadcast_to(root_feat[:, None], (b, w, root_feat.shape[-1]))
-        front_bits = jnp.zeros((b, w), jnp.int32)  # the frontier's parents' rows (the root: in the prefix)
-        buf_tok = jnp.zeros((b, rows), jnp.int32)
-        buf_feat = jnp.zeros((b, rows, root_feat.shape[-1]), root_feat.dtype)
-        buf_bits = jnp.zeros((b, rows), jnp.int32)
-        buf_off = jnp.zeros((b, rows), jnp.int32)
-        running = ~state.done
-        total = w
-        for d in range(2, depth + 1):  # the frontier (depth d - 1) goes in as rows lo .. lo + W
-            lo = (d - 2) * w
-            own = jnp.left_shift(jnp.int32(1), lo + jnp.arange(w, dtype=jnp.int32))
-            buf_tok = buf_tok.at[:, lo:lo + w].set(tok)
-            buf_feat = buf_feat.at[:, lo:lo + w].set(front_feat)
-            buf_bits = buf_bits.at[:, lo:lo + w].set(front_bits | own[None, :])
-            buf_off = buf_off.at[:, lo:lo + w].set(d - 2)  # depth d - 1, one past the root's position
-            q_lens = jnp.where(running, lo + w, 0).astype(jnp.int32)
+        new_cache = [cache]
+
+        def run_rows(buf_tok, buf_feat, tree_rows, q_lens, lo):
             out = self.path.eagle_forward(drafter_params["head"], c, _embed(target_params, buf_tok), buf_feat,
-                                          cache, q_lens, self.attention, fused=True, tree=TreeRows(buf_off, buf_bits))
-            cache = out.context.replace(lengths=cache.lengths)  # the next depth writes these rows again
+                                          new_cache[0], q_lens, self.attention, fused=True, tree=tree_rows)
+            new_cache[0] = out.context.replace(lengths=cache.lengths)  # the next depth writes these rows again
             hid = out.normed[:, lo:lo + w].reshape(b * w, -1)
             logits = draft_vocab_logits(hid, drafter_params, c.vocab_size, self.path).reshape(b, w, -1)
-            s, t = jax.lax.top_k(jax.nn.log_softmax(logits), w)  # [B, W (parent), W (child)]
-            child_score = (score[:, :, None] + s).reshape(b, w * w)
-            child_tok = t.reshape(b, w * w).astype(jnp.int32)
-            toks.append(child_tok)
-            scores.append(child_score)
-            parents.append(jnp.repeat(front_idx, w, axis=1))
-            depths.append(jnp.full((w * w,), d, jnp.int32))
-            # the next frontier: the W best children; a child's input feature is its parent's output
-            score, pick = jax.lax.top_k(child_score, w)
-            parent_row = pick // w  # [B, W] within this depth's rows
-            tok = jnp.take_along_axis(child_tok, pick, axis=1)
-            front_idx = total + pick.astype(jnp.int32)
-            chained = out.chained[:, lo:lo + w]
-            front_feat = jnp.take_along_axis(chained, parent_row[..., None], axis=1)
-            front_bits = jnp.take_along_axis(buf_bits[:, lo:lo + w], parent_row, axis=1)
-            total += w * w
-        keep = min(self.k, total)  # a narrow, shallow budget may offer fewer candidates than k nodes
-        nodes, node_parents = tree_lib.select_nodes(jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
-                                                    jnp.concatenate(parents, 1), jnp.concatenate(depths), keep)
-        pad = ((0, 0), (0, self.k - keep))
-        nodes, node_parents = jnp.pad(nodes, pad), jnp.pad(node_parents, pad, constant_values=-1)
-        num = jnp.where(running, keep, 0).astype(jnp.int32)
-        return Proposal(nodes, None, self._with_cache(state.drafter, cache), state.cache, num, node_parents)
+            return logits, out.chained[:, lo:lo + w]
+
+        nodes, parents, num = expand_tree(first, self.k, self.tree_depth, w, ~state.done, run_rows, root_feat)
+        return Proposal(nodes, None, self._with_cache(state.drafter, new_cache[0]), state.cache, num, parents)
 
     def advance(self, drafter_params, target_params, state: DecodeState) -> EagleState:
         """The state ``propose`` leaves as far as ``observe`` reads it, without drafting: only the
@@ -257,6 +220,7 @@ def make_eagle_drafter(spec, target, attention: str = "reference"):
 
     params, feature_layers = read_eagle(spec.draft, target)
     if spec.tree:
-        return EagleDrafter(spec.tree_nodes, target.config, attention, feature_layers, tree_depth=spec.num_speculative_tokens,
+        depth = tree_buffer_depth(spec.tree_nodes, spec.tree_width, spec.num_speculative_tokens)
+        return EagleDrafter(spec.tree_nodes, target.config, attention, feature_layers, tree_depth=depth,
                             tree_width=spec.tree_width), params
     return EagleDrafter(spec.num_speculative_tokens, target.config, attention, feature_layers), params
