@@ -52,7 +52,7 @@ def add_generate_parser(sub, default_model: str, attention_choices) -> None:
                    help="drafts per verification step, 1..16 (default 4; needs --spec)")
     g.add_argument("--dynamic-k", action="store_true", help="let the engine pick k per burst (0 .. k)")
     g.add_argument("--tree-nodes", type=int, default=0, metavar="N",
-                   help="--spec eagle, hybrid or ngram: draft token trees of up to N nodes (1..31), k deep "
+                   help="--spec eagle, hybrid, draft or ngram: draft token trees of up to N nodes (1..31), k deep "
                         "(default 0: a chain of k)")
     g.add_argument("--tree-width", type=int, default=None, metavar="W",
                    help="with --tree-nodes: each expansion keeps its W most probable tokens; ngram: W matches "
