@@ -30,6 +30,14 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 31  # drafted nodes of a token tree: with its root, one bit per row of an int32 mask
 DEFAULT_TREE_WIDTH = 4  # each expansion's best tokens when a tree budget names no width
 TREE_METHODS = ("draft", "eagle", "hybrid", "ngram")  # drafters that propose token trees
+
+
+def tree_buffer_depth(nodes: int, width: int, depth: int) -> int:
+    """The deepest tree whose drafting buffer fits the rows a verification reserves: expanding
+    ``depth`` levels ``width`` wide writes (depth - 1) * width rows of the drafter's pages after
+    the slot's prefix, where the engine holds pages for the ``nodes`` + 1 rows of a verification
+    (rows past them would land on the shared null page and read back another slot's K/V)."""
+    return max(1, min(depth, 1 + (nodes + 1) // width))
 MAX_TOKENS = 1 << 20  # per request; the model's context bounds it further
 INT32_MAX = 2**31 - 1  # sizes and token ids travel as int32 on the device
 MAX_PAGE_SIZE = 1 << 12  # tokens per KV page
@@ -539,6 +547,17 @@ class SpecConfig:
     def tree(self) -> bool:
         """Whether the drafter proposes token trees (``tree_nodes`` > 0)."""
         return self.tree_nodes > 0
+
+    @property
+    def tree_depth(self) -> int:
+        """How deep a tree drafter's trees grow (0: chains): ``num_speculative_tokens``, cut to
+        what its drafting buffer may hold (:func:`tree_buffer_depth`); n-gram tries are not
+        expanded level by level and keep the whole depth."""
+        if not self.tree:
+            return 0
+        if self.method == "ngram":
+            return self.num_speculative_tokens
+        return tree_buffer_depth(self.tree_nodes, self.tree_width, self.num_speculative_tokens)
 
     @property
     def enabled(self) -> bool:

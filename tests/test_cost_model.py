@@ -255,3 +255,56 @@ def test_one_unlucky_first_request_does_not_keep_a_run_at_k0(seed):
     # and where the drafts really are rarely accepted the whole time, speculation stays mostly off
     rejected = simulate(calibrated(prior=AcceptancePrior()), [0.05] * 10, seed)
     assert sum(rejected[5:]) / 5 < 0.2
+
+
+def _tree_model(tree_seconds: float) -> CostModel:
+    """Dynamic k over a 16-node tree 4 deep and its chains; the tree timed at ``tree_seconds``."""
+    cost = CostModel((0, 1, 2, 4, 16), tree=(16, 4), tree_prior=AcceptancePrior())
+    for k, t in {**STEP_SECONDS, 16: tree_seconds}.items():
+        cost.observe(k, steps=10, seconds=10 * t)
+    return cost
+
+
+def _tree_rows(n: int = 4):
+    """Requests whose chain steps accept less than their tree steps: 100 chain steps (draft 1
+    accepted on 60 of them), 100 tree steps whose accepted path reached depth 1 on 90."""
+    chain = [60, 30, 15, 7]
+    tree = ([90, 70, 50, 30] + [0] * 12, 100)
+    return [(16, 112 + 240, 600 + 1600, 200, 200, chain, [100] * 4, tree) for _ in range(n)]
+
+
+def test_the_tree_is_chosen_where_its_rows_cost_little_and_not_where_they_cost_arithmetic():
+    """The tree's estimate reads the tree steps' counters, a chain's the chain steps': a
+    16-node tree that costs 1.1x a k = 4 chain step (a GPU's verification) wins on its
+    acceptance; at 3.4x (the 2-core CPU's) a chain does."""
+    rows = _tree_rows()
+    gpu = _tree_model(1.1 * STEP_SECONDS[4])
+    tree_tokens = gpu._expected(16, rows[0])
+    chain_tokens = gpu._expected(4, rows[0])
+    assert tree_tokens == pytest.approx(1 + (200 + 8 * 0.5) / 208 * sum(
+        p for p in _cumulative([90, 70, 50, 30], 100)), rel=0.05)
+    assert tree_tokens > 1.6 * chain_tokens / 1.25 and chain_tokens < 2.2
+    assert gpu.choose(rows) == 16
+    cpu = _tree_model(3.4 * STEP_SECONDS[4])
+    chains = {k: sum(cpu._expected(k, r) for r in rows) / STEP_SECONDS[k] for k in (1, 2, 4)}
+    assert cpu.choose(rows) == max(chains, key=chains.get)
+
+
+def _cumulative(accepted, steps, w=8.0, a0=0.5):
+    """The estimator's P_j: each pulled towards the previous one's ratio with weight w."""
+    out, p_prev, ratio = [], 1.0, a0
+    for a in accepted:
+        p = min((a + w * p_prev * ratio) / (steps + w), p_prev)
+        ratio, p_prev = p / p_prev, p
+        out.append(p)
+    return out
+
+
+def test_without_tree_counters_the_tree_is_not_taken_for_its_chain():
+    """A chain step's counters never stand for the tree: with no tree step yet, the tree's
+    estimate is the prior's, whatever the chains accepted."""
+    cost = _tree_model(STEP_SECONDS[4])
+    strong_chain = (16, 560, 600, 150, 150, [148, 144, 138, 130], [150] * 4, ((), 0))
+    weak_chain = (16, 10, 600, 150, 150, [5, 3, 1, 1], [150] * 4, ((), 0))
+    assert cost._expected(16, strong_chain) == pytest.approx(cost._expected(16, weak_chain))
+    assert cost._expected(4, strong_chain) > 3 * cost._expected(4, weak_chain) - 3

@@ -168,14 +168,14 @@ def test_draft_model_trees_beat_its_chain_per_verification(target):
 def test_a_tree_buffer_stays_within_a_verifications_rows():
     """Expanding D levels W wide writes (D - 1) W drafter rows after the prefix, where the
     engine reserves the nodes + 1 rows of a verification: the depth is cut to fit."""
-    from jspec.speculative.drafters.base import tree_buffer_depth
+    from jspec.config import tree_buffer_depth
 
     assert tree_buffer_depth(16, 4, 4) == 4  # 12 rows of 17
     assert tree_buffer_depth(4, 4, 4) == 2  # 4 rows of 5; depth 4 would write 12
     assert tree_buffer_depth(8, 3, 5) == 4  # 9 rows of 9
     assert tree_buffer_depth(2, 4, 3) == 1  # the root's children only
     spec = jspec.SpecConfig("eagle", num_speculative_tokens=4, draft="x", tree_nodes=4, tree_width=4)
-    assert (spec.tree_nodes + 1) >= (tree_buffer_depth(spec.tree_nodes, spec.tree_width, 4) - 1) * spec.tree_width
+    assert spec.tree_depth == 2 and dataclasses.replace(spec, tree_nodes=16).tree_depth == 4
 
 
 def test_sampled_draft_model_tree_follows_the_target():
@@ -186,3 +186,48 @@ def test_sampled_draft_model_tree_follows_the_target():
     assert 0 < accepted < proposed, (accepted, proposed)
     stat, threshold = chi_square_check(counts, exact)
     assert stat < threshold, (stat, threshold)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_dynamic_k_chooses_among_the_tree_and_its_chains_losslessly(target, kind):
+    """With a tree budget, dynamic k's arms are the tree, chains up to its depth and no
+    speculation; switching between them (a draft model feeding a tree's accepted path before a
+    chain) keeps greedy output the target's, and tree steps are counted apart from chain steps."""
+    spec = jspec.SpecConfig("ngram", 4, ngram_min=1, dynamic_k=True, tree_nodes=8, tree_width=2)
+    drafter, params = _draft_model_tree(target, 8, 4, 2) if kind == "draft" else (None, None)
+    engine = jspec.LLMEngine(target, jspec.EngineConfig(max_num_seqs=4, max_model_len=64, max_burst_steps=2), spec,
+                             drafter=drafter, drafter_params=params)
+    assert engine.cost.candidates == (0, 1, 2, 4, 8) and engine.tree_depth == 4
+    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for _ in engine.step_until_done():
+        pass
+    assert [r.output_ids for r in reqs] == jspec.generate(target, PROMPTS, GREEDY).token_ids
+    most = max(engine.costs, key=lambda n: engine.stats.bursts_by_slots[n])
+    assert all(t is not None for t in engine.costs[most].step_seconds.values())  # every arm ran
+    assert sum(r.tree_steps for r in reqs) > 0 and sum(sum(r.eligible_per_pos) for r in reqs) > 0
+    assert engine.tree_acceptance.steps > 0 and sum(engine.tree_acceptance.accepted) > 0
+    for r in reqs:  # a chain position's counters hold the chain steps' only
+        assert all(0 <= a <= e for a, e in zip(r.chain_accepted_per_pos(), r.eligible_per_pos))
+
+
+def test_a_draft_model_chain_after_its_tree_has_seen_the_accepted_path(target):
+    """The draft model is the target itself, so a drafter that follows the committed text has
+    every draft accepted. Bursts alternate trees and chains (as dynamic k may); a chain after a
+    tree must first feed the tree's whole accepted path (up to depth + 1 tokens): fed two, its
+    K/V would miss some and its drafts go wrong."""
+    import itertools
+
+    spec = jspec.SpecConfig("ngram", 4, ngram_min=1, dynamic_k=True, tree_nodes=8, tree_width=2)
+    drafter = DraftModelDrafter(8, target.config, tree_depth=4, tree_width=2)
+    engine = jspec.LLMEngine(target, jspec.EngineConfig(max_num_seqs=4, max_model_len=96, max_burst_steps=1), spec,
+                             drafter=drafter, drafter_params=target.params)
+    arms = itertools.cycle([8, 4, 8, 2, 8, 1, 8, 0])
+    engine._choose_k = lambda: next(arms)
+    long = dataclasses.replace(GREEDY, max_tokens=48)
+    reqs = [engine.add_request(str(i), p, long) for i, p in enumerate(PROMPTS)]
+    for _ in engine.step_until_done():
+        pass
+    assert [r.output_ids for r in reqs] == jspec.generate(target, PROMPTS, long).token_ids
+    assert sum(r.tree_steps for r in reqs) > 0 and sum(r.eligible_per_pos[0] for r in reqs) > 0
+    for r in reqs:
+        assert r.chain_accepted_per_pos()[:4] == r.eligible_per_pos[:4], (r.chain_accepted_per_pos(), r.eligible_per_pos)

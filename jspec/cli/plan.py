@@ -106,7 +106,7 @@ def cmd_plan(args) -> int:
         device = jax.local_devices()[0]
         device_memory = available_bytes(None if device.platform == "cpu" else device)
     plan = plan_run(model, config, k_max=k, dynamic_k=spec.dynamic_k, draft=draft, drafter_params=drafter_params,
-                    device_memory=device_memory)
+                    device_memory=device_memory, tree_depth=spec.tree_depth)
     if args.json:
         print(json.dumps(dict(plan.to_dict(), model_source=args.model,
                               spec=dataclasses.asdict(spec) if spec.enabled else None)))

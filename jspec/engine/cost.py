@@ -107,9 +107,14 @@ class AcceptancePrior:
 class CostModel:
     def __init__(self, candidates: Iterable[int], prior_acceptance: float = 0.5, prior_weight: float = 8.0,
                  smoothing: float = 0.3, refresh_every: int = 64, refresh_margin: float = 0.15,
-                 smoothing_steps: int = 8, prior: Optional[AcceptancePrior] = None, optimism: float = 2.0):
+                 smoothing_steps: int = 8, prior: Optional[AcceptancePrior] = None, optimism: float = 2.0,
+                 tree: Optional[tuple[int, int]] = None, tree_prior: Optional[AcceptancePrior] = None):
         self.candidates = tuple(sorted(set(candidates)))
         self.prior = prior  # pooled over finished requests (the engine's, shared by its buckets)
+        # (k, depth): the candidate that runs a token tree of k nodes, depth deep (the others are
+        # chains), and what finished requests' tree steps accepted
+        self.tree = tree
+        self.tree_prior = tree_prior
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.smoothing = smoothing
@@ -138,18 +143,20 @@ class CostModel:
 
     def expected_tokens(self, k: int, accepted: int, proposed: int, drafted_steps: int, steps: int,
                         accepted_per_pos: Optional[Sequence[int]] = None,
-                        eligible_per_pos: Optional[Sequence[int]] = None, optimism: float = 0.0) -> float:
+                        eligible_per_pos: Optional[Sequence[int]] = None, optimism: float = 0.0,
+                        prior: Optional[AcceptancePrior] = None) -> float:
         """E(k) for one request from its counters (see the module docstring); with ``optimism``
         z > 0, each P_j is raised by z standard errors of its estimate (an upper bound, capped by
-        the bound of P_(j-1))."""
+        the bound of P_(j-1)). ``prior``: the pooled acceptance to start from (None: the model's)."""
         if k == 0:
             return 1.0
+        prior = self.prior if prior is None else prior
         w, a0 = self.prior_weight, self.prior_acceptance
-        pooled = self.prior is not None and self.prior.steps > 0
-        r = (drafted_steps + w * (self.prior.proposal_share() if pooled else 1.0)) / (steps + w)
+        pooled = prior is not None and prior.steps > 0
+        r = (drafted_steps + w * (prior.proposal_share() if pooled else 1.0)) / (steps + w)
         if accepted_per_pos is not None and eligible_per_pos is not None:
             total, p_prev, ratio, bound = 0.0, 1.0, a0, 1.0
-            pool = self.prior.ratios(k, a0, w) if pooled else [None] * k
+            pool = prior.ratios(k, a0, w) if pooled else [None] * k
             for j in range(k):
                 acc = accepted_per_pos[j] if j < len(accepted_per_pos) else 0
                 seen = eligible_per_pos[j] if j < len(eligible_per_pos) else 0
@@ -160,7 +167,7 @@ class CostModel:
                 if optimism:
                     # the request's own steps, plus the prior's weight w carrying the pooled
                     # steps' variance: Var = p (1 - p) (seen + w^2 / (pooled + w)) / (seen + w)^2
-                    n_pool = self.prior.eligible[j] if pooled and j < len(self.prior.eligible) else 0.0
+                    n_pool = prior.eligible[j] if pooled and j < len(prior.eligible) else 0.0
                     var = p * (1 - p) * (seen + w * w / (n_pool + w)) / (seen + w) ** 2
                     p = bound = min(p + optimism * math.sqrt(var), bound)
                 total += p
@@ -180,9 +187,23 @@ class CostModel:
         a = min(max(a, 0.0), 0.999)
         return 1.0 + r * sum(a ** j for j in range(1, k + 1))
 
+    def _expected(self, k: int, row: tuple, optimism: float = 0.0) -> float:
+        """E(k) of one request's ``row`` (see :meth:`choose`): a chain's from its chain counters,
+        the tree's from its tree counters (its accepted path reaching each position, over the
+        tree steps with a proposal) and the pooled tree prior, at most the tree's depth."""
+        cap, *counts = row
+        if self.tree is None or k != self.tree[0]:
+            return self.expected_tokens(min(k, cap), *counts[:6], optimism=optimism)
+        tree_acc, tree_drafted = counts[6] if len(counts) > 6 else ((), 0)
+        depth = min(self.tree[1], cap)
+        acc = list(tree_acc)[:depth]
+        return self.expected_tokens(depth, 0, 0, counts[2], counts[3], acc, [tree_drafted] * depth,
+                                    optimism=optimism, prior=self.tree_prior)
+
     def choose(self, requests: list[tuple]) -> int:
         """``requests``: per running request (cap, accepted, proposed, drafted steps, steps) and
-        optionally its accepted-per-position counts and their eligible steps."""
+        optionally its accepted-per-position counts and their eligible steps (a chain's), and
+        (accepted per position, drafted steps) of its tree steps."""
         if not requests:
             return self.chosen
         for k in self.candidates:
@@ -191,14 +212,12 @@ class CostModel:
         if unmeasured:
             self.chosen = unmeasured[0]
             return self.chosen
-        rate = {k: sum(self.expected_tokens(min(k, cap), *counts) for cap, *counts in requests) / self.step_seconds[k]
-                for k in self.candidates}
+        rate = {k: sum(self._expected(k, row) for row in requests) / self.step_seconds[k] for k in self.candidates}
         best = max(self.candidates, key=lambda k: rate[k])  # the first of equals: the smallest k
         if best == 0 and self.optimism > 0:
             # speculation off only on evidence: the k > 0 best on the optimistic estimate runs
             # while it could still beat a plain step (module docstring)
-            upper = {k: sum(self.expected_tokens(min(k, cap), *counts, optimism=self.optimism)
-                            for cap, *counts in requests) / self.step_seconds[k]
+            upper = {k: sum(self._expected(k, row, optimism=self.optimism) for row in requests) / self.step_seconds[k]
                      for k in self.candidates if k > 0}
             if upper:
                 explore = max(upper, key=lambda k: upper[k])

@@ -66,6 +66,7 @@ from jspec.models.llama import Segment, pack_index
 from jspec.models.path import PLAIN, ModelPath
 from jspec.models.tensor_parallel import tp_config
 from jspec.speculative.drafters import make_drafter, on_path
+from jspec.speculative.drafters.base import as_chain, tree_depth_of
 from jspec.speculative.steps import PlainStep, SpecStep
 from jspec.sampling.structured import NO_CONSTRAINT, ConstraintTable, GrammarCompiler
 from jspec.timing import compile_seconds
@@ -236,14 +237,19 @@ class LLMEngine:
         mc, drafter, k_max = self.model.config, self.drafter, self.k_max
         eos = tuple(mc.eos_token_ids)
         self._steps = {0: PlainStep(mc, eos, attention, drafter, self.path)}
-        candidates = k_candidates(k_max, self.spec.dynamic_k)
+        candidates = k_candidates(k_max, self.spec.dynamic_k, self.tree_depth)
         for k in candidates:
-            if k > 0:
-                self._steps[k] = SpecStep(mc, eos, attention, dataclasses.replace(drafter, k=k), self.path)
+            if k > 0:  # a tree drafter's steps below its node budget run chains (dynamic k)
+                d = as_chain(drafter, k) if self.tree_depth and k < k_max else dataclasses.replace(drafter, k=k)
+                self._steps[k] = SpecStep(mc, eos, attention, d, self.path)
         # a step's time depends on the rows it runs, so each bucket keeps its own measurements;
-        # what finished requests accepted is the prior of every bucket's estimates
+        # what finished requests accepted is the prior of every bucket's estimates (a tree's
+        # acceptance is pooled apart from the chains')
         self.acceptance = AcceptancePrior()
-        self.costs = {n: CostModel(candidates, prior=self.acceptance) for n in self.buckets}
+        self.tree_acceptance = AcceptancePrior()
+        tree = (k_max, self.tree_depth) if self.tree_depth and k_max in candidates else None
+        self.costs = {n: CostModel(candidates, prior=self.acceptance, tree=tree, tree_prior=self.tree_acceptance)
+                      for n in self.buckets}
         self.calibration_drafted: dict[int, dict[int, float]] = {}  # filled by calibrate()
         self._cost_bucket = self.buckets[-1]
         self._prefill_k = prefill_k(k_max, self.spec.dynamic_k)  # the step that carries prefill chunks
@@ -301,6 +307,11 @@ class LLMEngine:
         return self.layout.k_max
 
     @property
+    def tree_depth(self) -> int:
+        """How deep the drafter's token trees grow (0: it drafts chains)."""
+        return tree_depth_of(self.drafter) if self.drafter is not None else 0
+
+    @property
     def max_model_len(self) -> int:
         return self.layout.max_model_len
 
@@ -319,7 +330,7 @@ class LLMEngine:
     @property
     def step_variants(self) -> StepVariants:
         """The programs :meth:`warmup` compiles (:func:`jspec.engine.layout.step_variants`)."""
-        return step_variants(self.buckets, self.prefill_shapes, self.k_max, self.spec.dynamic_k)
+        return step_variants(self.buckets, self.prefill_shapes, self.k_max, self.spec.dynamic_k, self.tree_depth)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -452,7 +463,8 @@ class LLMEngine:
             m = r.metrics
             cap = self._cap(r)
             rows.append((cap, m.num_accepted_tokens, m.num_draft_tokens, m.num_drafts, m.num_steps,
-                         m.num_accepted_tokens_per_pos, r.eligible_per_pos))
+                         r.chain_accepted_per_pos(), r.eligible_per_pos,
+                         (r.tree_accepted_per_pos, r.tree_drafted_steps)))
         if rows:
             self._cost_bucket = self._bucket(len(rows))
         return self.cost.choose(rows)
@@ -579,8 +591,12 @@ class LLMEngine:
         before = len(r.all_ids)
         new = snap.tokens[slot, before:snap.seq_lens[slot]].tolist()
         drafts_before, steps_before = r.metrics.num_drafts, r.metrics.num_steps
+        accepted_before = list(r.metrics.num_accepted_tokens_per_pos)
         self._update_counters(r, snap, slot)
-        self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
+        if self.tree_depth and ran_k == self.k_max:  # a tree step: counted apart from the chains
+            r.count_tree_step(accepted_before, r.metrics.num_drafts - drafts_before, r.metrics.num_steps - steps_before)
+        else:
+            self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
         if caps[slot] > 0 and ran_k > 0:
             r.spec_steps += r.metrics.num_steps - steps_before
         if new:
@@ -665,7 +681,11 @@ class LLMEngine:
         # over the steps that could have drafted: a request run at k = 0 throughout teaches nothing
         # (counted as steps without a proposal, dynamic k's choice of k = 0 would feed itself), but
         # ages the pool, so that what turned speculation off is tried again later
-        self.acceptance.learn(m.num_accepted_tokens_per_pos, r.eligible_per_pos, m.num_drafts, r.spec_steps)
+        self.acceptance.learn(r.chain_accepted_per_pos(), r.eligible_per_pos, m.num_drafts - r.tree_drafted_steps,
+                              r.spec_steps - r.tree_steps)
+        if r.tree_steps:
+            self.tree_acceptance.learn(r.tree_accepted_per_pos, [r.tree_drafted_steps] * len(r.tree_accepted_per_pos),
+                                       r.tree_drafted_steps, r.tree_steps)
 
     def _count_eligible(self, r: Request, drafted: int, k: int) -> None:
         """``drafted`` steps with a proposal ran at ``k``: each could have proposed drafts 1..k."""

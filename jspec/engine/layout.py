@@ -92,13 +92,18 @@ def slot_buckets(num_slots: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots} | {num_slots}))
 
 
-def k_candidates(k_max: int, dynamic_k: bool) -> tuple[int, ...]:
+def k_candidates(k_max: int, dynamic_k: bool, tree_depth: int = 0) -> tuple[int, ...]:
     """The k values a step may run with: 0 without a drafter, ``k_max`` with a fixed k, and with
-    dynamic k also 0 (no speculation) and 1, 2, 4, 8 below ``k_max``."""
+    dynamic k also 0 (no speculation) and 1, 2, 4, 8 below ``k_max``. With a token tree of
+    ``k_max`` nodes ``tree_depth`` deep, dynamic k chooses among the tree, chains of 1, 2, 4, 8
+    drafts up to the tree's depth and the depth itself, and no speculation (a step at k <
+    ``k_max`` runs a chain of k: :func:`jspec.speculative.drafters.base.as_chain`)."""
     if k_max == 0:
         return (0,)
     if not dynamic_k:
         return (k_max,)
+    if tree_depth:
+        return tuple(sorted({0, k_max, min(tree_depth, k_max)} | {k for k in (1, 2, 4, 8) if k < tree_depth}))
     return tuple(sorted({0, k_max} | {k for k in (1, 2, 4, 8) if k < k_max}))
 
 
@@ -124,8 +129,8 @@ class StepVariants:
 
 
 def step_variants(buckets: tuple[int, ...], shapes: tuple[PrefillShape, ...], k_max: int,
-                  dynamic_k: bool) -> StepVariants:
-    ks = sorted(set(k_candidates(k_max, dynamic_k)) | {prefill_k(k_max, dynamic_k)})
+                  dynamic_k: bool, tree_depth: int = 0) -> StepVariants:
+    ks = sorted(set(k_candidates(k_max, dynamic_k, tree_depth)) | {prefill_k(k_max, dynamic_k)})
     return StepVariants(tuple((k, n) for k in ks for n in buckets), tuple(shapes))
 
 

@@ -160,10 +160,10 @@ def _smallest_tp(model: ModelConfig, need: Any, device_memory: int, start: int) 
 
 def plan_run(model: ModelConfig, config: EngineConfig = EngineConfig(), *, k_max: int = 0, dynamic_k: bool = False,
              draft: Optional[ModelConfig] = None, drafter_params: int = 0,
-             device_memory: Optional[int] = None) -> RunPlan:
+             device_memory: Optional[int] = None, tree_depth: int = 0) -> RunPlan:
     """The plan of an engine over a target of config ``model`` (one-device, in the dtype it runs
     in) with ``config``: ``k_max`` drafts per verification (``dynamic_k``: the engine picks k
-    per burst), a drafter keeping pages of geometry ``draft`` and ``drafter_params``
+    per burst; ``tree_depth``: the depth of a token tree of ``k_max`` nodes), a drafter keeping pages of geometry ``draft`` and ``drafter_params``
     parameters, on devices of ``device_memory`` bytes (None: the pool is not cut to a memory).
     Raises InsufficientMemoryError or ConfigError for a plan that cannot run (module docstring)."""
     from jspec.models.tensor_parallel import tp_config
@@ -202,7 +202,7 @@ def plan_run(model: ModelConfig, config: EngineConfig = EngineConfig(), *, k_max
             f"{format_bytes(budget)}; lower --max-model-len or --max-num-seqs, or raise --tp")
     per_token = (memory.kv_cache_bytes(run_model, 1, layout.cache_dtype)
                  + (memory.kv_cache_bytes(run_draft, 1, layout.cache_dtype) if run_draft is not None else 0)) // tp
-    variants = step_variants(layout.buckets, layout.prefill_shapes, k_max, dynamic_k)
+    variants = step_variants(layout.buckets, layout.prefill_shapes, k_max, dynamic_k, tree_depth)
     return RunPlan(model, config, device_memory, weights, drafter_bytes, activations, per_token, layout, variants,
                    budget, dynamic_k)
 

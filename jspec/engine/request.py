@@ -131,7 +131,29 @@ class Request:
     # steps that ran at a k >= 1 (could have had a proposal): the denominator of the proposal share
     # the engine's pooled prior learns (steps at k = 0 say nothing about it)
     spec_steps: int = 0
+    # a tree drafter's tree steps under dynamic k, counted apart from its chain steps (the two
+    # accept differently): per position the tree steps whose accepted path reached it, the tree
+    # steps with a proposal, and all tree steps
+    tree_accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    tree_drafted_steps: int = 0
+    tree_steps: int = 0
     constraint: int = -1  # its structured-output handle (jspec.sampling.structured), -1 for none
+
+    def count_tree_step(self, accepted_before: list[int], drafted: int, steps: int) -> None:
+        """A burst of tree steps ran: what its verifications accepted (the per-position counters
+        now, less ``accepted_before``) goes to the tree's counters."""
+        now = self.metrics.num_accepted_tokens_per_pos
+        if len(self.tree_accepted_per_pos) < len(now):
+            self.tree_accepted_per_pos.extend([0] * (len(now) - len(self.tree_accepted_per_pos)))
+        for j, (a, b) in enumerate(zip(now, accepted_before)):
+            self.tree_accepted_per_pos[j] += a - b
+        self.tree_drafted_steps += max(drafted, 0)
+        self.tree_steps += max(steps, 0)
+
+    def chain_accepted_per_pos(self) -> list[int]:
+        """Per position, what the chain steps accepted (all steps' counters less the tree's)."""
+        tree = self.tree_accepted_per_pos
+        return [a - (tree[j] if j < len(tree) else 0) for j, a in enumerate(self.metrics.num_accepted_tokens_per_pos)]
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jspec.config import SpecConfig
 from jspec.errors import ConfigError, DraftMismatchError
 from jspec.models.llama import output_embedding
-from jspec.speculative.drafters.base import Proposal, on_path, tree_buffer_depth
+from jspec.speculative.drafters.base import Proposal, on_path
 from jspec.speculative.drafters.draft_model import DraftModelDrafter
 from jspec.speculative.drafters.layerskip import LayerSkipDrafter
 from jspec.speculative.drafters.ngram import NgramDrafter
@@ -47,7 +47,7 @@ def make_drafter(spec: SpecConfig, target, attention: str = "reference"):
         check_same_vocab(target, draft)
         tree = {}
         if spec.tree:  # top-k expansion: tree_nodes nodes, k deep at most
-            tree = {"tree_width": spec.tree_width, "tree_depth": tree_buffer_depth(spec.tree_nodes, spec.tree_width, k)}
+            tree = {"tree_width": spec.tree_width, "tree_depth": spec.tree_depth}
             k = spec.tree_nodes
         if vocab_ids is None:
             return DraftModelDrafter(k, draft.config, attention, **tree), draft.params

@@ -143,14 +143,6 @@ def draft_vocab_logits(hidden: jax.Array, dparams: dict, vocab_size: int, path: 
     return full.at[:, vocab_ids].set(small)
 
 
-def tree_buffer_depth(nodes: int, width: int, depth: int) -> int:
-    """The deepest tree whose drafting buffer fits the rows a verification reserves: expanding
-    ``depth`` levels ``width`` wide writes (depth - 1) * width rows of the drafter's pages after
-    the slot's prefix, where the engine holds pages for the ``nodes`` + 1 rows of a verification
-    (rows past them would land on the shared null page and read back another slot's K/V)."""
-    return max(1, min(depth, 1 + (nodes + 1) // width))
-
-
 def expand_tree(first_logits: jax.Array, k: int, depth: int, width: int, running: jax.Array, run_rows,
                 root_input: Optional[jax.Array] = None):
     """A token tree of ``k`` nodes as EAGLE-2 grows one (Li et al., arXiv:2406.16858): the root's
@@ -217,3 +209,21 @@ def expand_tree(first_logits: jax.Array, k: int, depth: int, width: int, running
     pad = ((0, 0), (0, k - keep))
     nodes, node_parents = jnp.pad(nodes, pad), jnp.pad(node_parents, pad, constant_values=-1)
     return nodes, node_parents, jnp.where(running, keep, 0).astype(jnp.int32)
+
+
+def tree_depth_of(drafter) -> int:
+    """How deep ``drafter``'s token trees grow (its head's, for the hybrid); 0 for a chain drafter."""
+    head = getattr(drafter, "head", drafter)
+    return getattr(head, "tree_depth", 0) if getattr(head, "tree_width", 0) else 0
+
+
+def as_chain(drafter, k: int):
+    """``drafter`` proposing a chain of ``k`` drafts instead of its token tree (the other arms of
+    a tree drafter under dynamic k). The chain keeps the tree's depth where the drafter reads it
+    outside drafting (a draft model feeds up to depth + 1 committed tokens after a tree step);
+    a chain drafter comes back at ``k``."""
+    if dataclasses.is_dataclass(drafter) and "head" in {f.name for f in dataclasses.fields(drafter)}:
+        return dataclasses.replace(drafter, k=k, head=as_chain(drafter.head, k))  # the hybrid
+    if getattr(drafter, "tree_width", 0):
+        return dataclasses.replace(drafter, k=k, tree_width=0)
+    return dataclasses.replace(drafter, k=k)

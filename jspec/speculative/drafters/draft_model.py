@@ -109,7 +109,7 @@ class DraftModelDrafter:
         tree_depth + 1 after a tree); returns (logits after the last one [B, V], cache)."""
         cache = self._view(state.drafter, state.cache)
         pending = jnp.where(running, seq_lens - cache.lengths, 0)
-        width = self.tree_depth + 1 if self.tree_width else 2
+        width = max(2, self.tree_depth + 1)  # a chain of a tree drafter (dynamic k) follows its trees
         idx = jnp.minimum(cache.lengths[:, None] + jnp.arange(width)[None, :], state.tokens.shape[1] - 1)
         inp = jnp.take_along_axis(state.tokens, idx, axis=1)  # [B, width]
         return self._forward(dparams, inp, cache, pending, jnp.maximum(pending - 1, 0))

@@ -35,8 +35,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.path import PLAIN, ModelPath
-from jspec.speculative.drafters.base import (Proposal, cache_view, draft_vocab_logits, expand_tree, sample_chain,
-                                              tree_buffer_depth)
+from jspec.speculative.drafters.base import Proposal, cache_view, draft_vocab_logits, expand_tree, sample_chain
 from jspec.speculative.state import DecodeState, last_tokens, step_keys
 
 SALT_DRAFT = 300
@@ -220,7 +219,6 @@ def make_eagle_drafter(spec, target, attention: str = "reference"):
 
     params, feature_layers = read_eagle(spec.draft, target)
     if spec.tree:
-        depth = tree_buffer_depth(spec.tree_nodes, spec.tree_width, spec.num_speculative_tokens)
-        return EagleDrafter(spec.tree_nodes, target.config, attention, feature_layers, tree_depth=depth,
+        return EagleDrafter(spec.tree_nodes, target.config, attention, feature_layers, tree_depth=spec.tree_depth,
                             tree_width=spec.tree_width), params
     return EagleDrafter(spec.num_speculative_tokens, target.config, attention, feature_layers), params
