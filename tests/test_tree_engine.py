@@ -1,7 +1,8 @@
 """Token trees end to end: the EAGLE head drafts EAGLE-2 trees (a draft model by the same top-k
-expansion), the target verifies them in one forward, and the output is the target's: greedy token-identical to plain greedy (with trees that
-branch, accepted paths longer than one, and the K/V of accepted side branches moved into place),
-sampled following the target's exact law of the first two tokens."""
+expansion), the target verifies them in one forward, and the output is the target's: greedy
+token-identical to plain greedy (with trees that branch, accepted paths longer than one, and the
+K/V of accepted side branches moved into place), sampled following the target's exact law of the
+first two tokens; dynamic k chooses between a tree and its chains."""
 
 import dataclasses
 
@@ -230,4 +231,4 @@ def test_a_draft_model_chain_after_its_tree_has_seen_the_accepted_path(target):
     assert [r.output_ids for r in reqs] == jspec.generate(target, PROMPTS, long).token_ids
     assert sum(r.tree_steps for r in reqs) > 0 and sum(r.eligible_per_pos[0] for r in reqs) > 0
     for r in reqs:
-        assert r.chain_accepted_per_pos()[:4] == r.eligible_per_pos[:4], (r.chain_accepted_per_pos(), r.eligible_per_pos)
+        assert r.chain_accepted_per_pos()[:4] == r.eligible_per_pos[:4], r.eligible_per_pos

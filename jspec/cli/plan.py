@@ -41,7 +41,8 @@ def add_plan_parser(sub, default_model: str) -> None:
     p.add_argument("--spec", default="none", help="none | ngram | layerskip:L | draft:PATH | eagle:PATH | hybrid:PATH")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="drafts per verification (default 4)")
     p.add_argument("--dynamic-k", action="store_true", help="the engine picks k per burst (more programs)")
-    p.add_argument("--tree-nodes", type=int, default=0, metavar="N", help="--spec eagle, hybrid, draft or ngram: token trees of N nodes")
+    p.add_argument("--tree-nodes", type=int, default=0, metavar="N",
+                   help="--spec eagle, hybrid, draft or ngram: token trees of N nodes")
     p.add_argument("--tree-width", type=int, default=None, metavar="W", help="with --tree-nodes (default 4)")
     add_numerics_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -163,8 +163,9 @@ def plan_run(model: ModelConfig, config: EngineConfig = EngineConfig(), *, k_max
              device_memory: Optional[int] = None, tree_depth: int = 0) -> RunPlan:
     """The plan of an engine over a target of config ``model`` (one-device, in the dtype it runs
     in) with ``config``: ``k_max`` drafts per verification (``dynamic_k``: the engine picks k
-    per burst; ``tree_depth``: the depth of a token tree of ``k_max`` nodes), a drafter keeping pages of geometry ``draft`` and ``drafter_params``
-    parameters, on devices of ``device_memory`` bytes (None: the pool is not cut to a memory).
+    per burst; ``tree_depth``: the depth of a token tree of ``k_max`` nodes), a drafter keeping
+    pages of geometry ``draft`` and ``drafter_params`` parameters, on devices of
+    ``device_memory`` bytes (None: the pool is not cut to a memory).
     Raises InsufficientMemoryError or ConfigError for a plan that cannot run (module docstring)."""
     from jspec.models.tensor_parallel import tp_config
 
