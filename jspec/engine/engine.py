@@ -594,7 +594,8 @@ class LLMEngine:
         accepted_before = list(r.metrics.num_accepted_tokens_per_pos)
         self._update_counters(r, snap, slot)
         if self.tree_depth and ran_k == self.k_max:  # a tree step: counted apart from the chains
-            r.count_tree_step(accepted_before, r.metrics.num_drafts - drafts_before, r.metrics.num_steps - steps_before)
+            ran = r.metrics.num_steps - steps_before if caps[slot] > 0 else 0  # (as spec_steps counts them)
+            r.count_tree_step(accepted_before, r.metrics.num_drafts - drafts_before, ran)
         else:
             self._count_eligible(r, r.metrics.num_drafts - drafts_before, int(caps[slot]))
         if caps[slot] > 0 and ran_k > 0:
