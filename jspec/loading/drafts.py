@@ -421,11 +421,8 @@ def _check_eagle_tensors(flat: dict[str, np.ndarray], config, file: Path, num_fe
     from jspec.loading.convert import check_finite
     from jspec.models.eagle import init_eagle_params, init_published_eagle3_params
 
-    if published:
-        init = lambda: init_published_eagle3_params(config, jax.random.key(0), num_features=num_features)  # noqa: E731
-    else:
-        init = lambda: init_eagle_params(config, jax.random.key(0), num_features=num_features)  # noqa: E731
-    want = _shapes(jax.eval_shape(init))
+    init = init_published_eagle3_params if published else init_eagle_params
+    want = _shapes(jax.eval_shape(lambda: init(config, jax.random.key(0), num_features=num_features)))
     got = {k[len("head/"):]: v for k, v in flat.items() if k.startswith("head/")}
     extra = sorted(set(flat) - {f"head/{k}" for k in got})
     missing = sorted(set(want) - set(got))

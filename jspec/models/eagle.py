@@ -310,15 +310,19 @@ def eagle_ttt_forward(head_params, config: ModelConfig, embeds, prev_features, d
     return out
 
 
+def _init_inputs(config: ModelConfig, num_features: int) -> tuple:
+    """Inputs of one entry to initialise a head with: embedding, feature, a one-layer cache, q_lens."""
+    dtype = jnp.dtype(config.dtype)
+    cache = init_cache(1, config.num_kv_heads, config.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16, dtype)
+    feature = jnp.zeros((1, 1, config.hidden_size * max(num_features, 1)), dtype)
+    return jnp.zeros((1, 1, config.hidden_size), dtype), feature, cache, jnp.ones((1,), jnp.int32)
+
+
 def init_eagle_params(config: ModelConfig, key: jax.Array, target_params=None, num_features: int = 0):
     """Random head parameters (``num_features`` > 0: an EAGLE-3 head fusing that many target
     layers); with ``target_params`` the decoder layer starts as the target's last layer and the
     norm as its final norm (a warm start used by training)."""
-    cache = init_cache(1, config.num_kv_heads, config.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16,
-                       jnp.dtype(config.dtype))
-    x = jnp.zeros((1, 1, config.hidden_size), jnp.dtype(config.dtype))
-    f = jnp.zeros((1, 1, config.hidden_size * max(num_features, 1)), jnp.dtype(config.dtype))
-    params = _module(config, "reference", num_features).init(key, x, f, cache, jnp.ones((1,), jnp.int32))["params"]
+    params = _module(config, "reference", num_features).init(key, *_init_inputs(config, num_features))["params"]
     if target_params is not None:
         params = dict(params)
         params["layer"] = jax.tree_util.tree_map(jnp.array, target_params[f"layers_{config.num_layers - 1}"])
@@ -333,28 +337,21 @@ def init_published_eagle3_params(config: ModelConfig, key: jax.Array, target_par
     (normalised) feature, ``o_proj``, the MLP and their norms from the target's last layer, the
     final norm from the target's; the fused features' ``fc`` and the embedding half start random."""
     head = dataclasses.replace(config, qkv_bias=False, qk_norm=False)
-    cache = init_cache(1, config.num_kv_heads, config.head_dim, jnp.zeros((1, 1), jnp.int32), 1, 16,
-                       jnp.dtype(config.dtype))
-    x = jnp.zeros((1, 1, config.hidden_size), jnp.dtype(config.dtype))
-    f = jnp.zeros((1, 1, config.hidden_size * num_features), jnp.dtype(config.dtype))
-    params = _published_module(head, "reference").init(key, x, f, cache, jnp.ones((1,), jnp.int32))["params"]
+    params = _published_module(head, "reference").init(key, *_init_inputs(config, num_features))["params"]
     if target_params is None:
         return params
     last = target_params[f"layers_{config.num_layers - 1}"]
     params = jax.tree_util.tree_map(jnp.array, params)
     h = config.hidden_size
-    copy = {("mlp",): last["mlp"], ("post_attention_layernorm",): last["post_attention_layernorm"],
-            ("hidden_norm",): last["input_layernorm"], ("norm",): target_params["norm"],
-            ("self_attn", "o_proj"): last["self_attn"]["o_proj"]}
-    for path, part in copy.items():
-        node = params
-        for name in path[:-1]:
-            node = node[name]
-        same = jax.tree_util.tree_structure(node[path[-1]]) == jax.tree_util.tree_structure(part) and all(
-            a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(node[path[-1]]),
-                                               jax.tree_util.tree_leaves(part)))
-        if same:  # (a family whose layer differs, e.g. a QKV bias or Gemma's norms, keeps the random part)
-            node[path[-1]] = jax.tree_util.tree_map(jnp.array, part)
+
+    def take(node: dict, name: str, part) -> None:  # a family whose part differs keeps the random one
+        if jax.tree_util.tree_map(jnp.shape, node[name]) == jax.tree_util.tree_map(jnp.shape, part):
+            node[name] = jax.tree_util.tree_map(jnp.array, part)
+
+    for name, part in (("mlp", last["mlp"]), ("post_attention_layernorm", last["post_attention_layernorm"]),
+                       ("hidden_norm", last["input_layernorm"]), ("norm", target_params["norm"])):
+        take(params, name, part)
+    take(params["self_attn"], "o_proj", last["self_attn"]["o_proj"])
     qkv = last["self_attn"].get("qkv_proj", {})
     if set(qkv) == {"kernel"} and qkv["kernel"].shape == (h, params["self_attn"]["qkv_proj"]["kernel"].shape[1]):
         kernel = params["self_attn"]["qkv_proj"]["kernel"]
